@@ -1,0 +1,55 @@
+# ibp_embed: `make` builds the native library and the virtual environment;
+# `make demo`, `make test`, `make bench` set up what they need themselves.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+BUILD := native/build
+LIB := $(BUILD)/libibp.so
+CUDA_LIB := $(BUILD)/libibp_cuda.so
+
+CC ?= gcc
+CFLAGS_LIB := -O3 -std=gnu11 -fPIC -fopenmp -Wall -Wextra -Werror -Wno-unused-function
+NVCC := $(shell command -v nvcc 2>/dev/null)
+# fbgemm must match torch 2.13.0 exactly (GUIDE section 3): the CPU build unless a GPU driver is present.
+FBGEMM := $(if $(shell command -v nvidia-smi 2>/dev/null),fbgemm-gpu==1.8.0,fbgemm-gpu-cpu==1.8.0)
+
+HEADERS := $(wildcard native/*.h) native/ibp_rowcodec.inc
+
+.PHONY: all lib venv demo test bench clean
+all: lib venv
+
+lib: $(LIB)
+
+$(BUILD)/ibp.o: native/ibp.c $(HEADERS) | $(BUILD)
+	$(CC) $(CFLAGS_LIB) -c $< -o $@
+$(BUILD)/isa_generic.o: native/ibp_isa_generic.c $(HEADERS) | $(BUILD)
+	$(CC) $(CFLAGS_LIB) -c $< -o $@
+# Only called after a run-time CPU check, so the library still loads on older CPUs.
+$(BUILD)/isa_v3.o: native/ibp_isa_v3.c $(HEADERS) | $(BUILD)
+	$(CC) $(CFLAGS_LIB) -march=x86-64-v3 -c $< -o $@
+$(LIB): $(BUILD)/ibp.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o
+	$(CC) -shared -fopenmp $^ -o $@
+$(BUILD):
+	mkdir -p $@
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt $(FBGEMM)
+	# torchrec pins the CUDA fbgemm-gpu, which breaks CPU-only torch: install it alone.
+	$(PY) -m pip install -q --no-deps torchrec==1.8.0
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: all
+	$(PY) -m ibp_embed.demo
+
+test: all
+	$(PY) -m pytest -q tests
+
+bench: all
+	$(PY) -m benchmarks.codec $(ARGS)
+
+clean:
+	rm -rf $(BUILD) $(VENV) .pytest_cache .hypothesis

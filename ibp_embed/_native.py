@@ -1,0 +1,86 @@
+"""cffi (ABI mode) binding of native/build/libibp.so.
+
+The cdef is the block of native/ibp.h between CFFI_BEGIN and CFFI_END, so the C
+header stays the single description of the interface. The library is located
+through $IBP_LIBRARY or next to the package in a source checkout.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import cffi
+
+from .errors import FormatError, NativeLibraryError
+
+_ROOT = Path(__file__).resolve().parent.parent
+_HEADER = _ROOT / "native" / "ibp.h"
+_LIBRARY = _ROOT / "native" / "build" / "libibp.so"
+
+ABI_VERSION = 1
+FORMAT_VERSION = 1
+
+
+def _cdef() -> str:
+    try:
+        text = _HEADER.read_text()
+    except OSError as e:
+        raise NativeLibraryError(f"cannot read the C header {_HEADER}: {e}") from None
+    m = re.search(r"/\* CFFI_BEGIN \*/(.*)/\* CFFI_END \*/", text, re.S)
+    if not m:
+        raise NativeLibraryError(f"{_HEADER} has no CFFI_BEGIN/CFFI_END block")
+    return m.group(1)
+
+
+ffi = cffi.FFI()
+ffi.cdef(_cdef())
+
+
+def _load():
+    path = Path(os.environ.get("IBP_LIBRARY", _LIBRARY))
+    if not path.exists():
+        raise NativeLibraryError(
+            f"the native library {path} is missing: run `make` in {_ROOT} to build it")
+    try:
+        lib = ffi.dlopen(str(path))
+    except OSError as e:
+        raise NativeLibraryError(f"cannot load {path} ({e}): run `make` to rebuild it") from None
+    if lib.ibp_abi_version() != ABI_VERSION or lib.ibp_format_version() != FORMAT_VERSION:
+        raise NativeLibraryError(
+            f"{path} implements ABI {lib.ibp_abi_version()} / format {lib.ibp_format_version()}, "
+            f"this package needs ABI {ABI_VERSION} / format {FORMAT_VERSION}: run `make` to rebuild it")
+    threads = os.environ.get("IBP_NUM_THREADS")
+    if threads:
+        lib.ibp_set_num_threads(int(threads))
+    else:
+        import torch
+
+        lib.ibp_set_num_threads(torch.get_num_threads())
+    return lib
+
+
+lib = _load()
+
+
+def check(rc: int, what: str) -> None:
+    """Turn a libibp return code into the matching Python exception."""
+    if rc == lib.IBP_OK:
+        return
+    msg = f"{what}: {ffi.string(lib.ibp_error_string(rc)).decode()}"
+    if rc == lib.IBP_E_INDEX:
+        raise IndexError(msg)
+    if rc == lib.IBP_E_CORRUPT:
+        raise FormatError(msg)
+    if rc == lib.IBP_E_NOMEM:
+        raise MemoryError(msg)
+    raise ValueError(msg)
+
+
+def ptr(array, ctype: str):
+    """A C pointer to a contiguous NumPy array's data (the caller keeps the array alive)."""
+    return ffi.cast(ctype, ffi.from_buffer(array, require_writable=False))
+
+
+def set_num_threads(n: int) -> None:
+    lib.ibp_set_num_threads(int(n))

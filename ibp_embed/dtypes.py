@@ -1,0 +1,64 @@
+"""Element dtypes a table may hold, and their conversion to raw row bytes.
+
+The codec is bitwise, so any dtype with 1-, 2-, 4- or 8-byte elements is stored;
+pooled lookups need a floating dtype the native library can widen to fp32.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Pooled lookup support: torch dtype -> IBP_DTYPE_* code in native/ibp.h.
+LOOKUP_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_NUMPY_TO_TORCH = {
+    np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32,
+    np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32, np.dtype(np.int16): torch.int16,
+    np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32,
+    np.dtype(np.uint64): torch.uint64, np.dtype(np.bool_): torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    check_dtype(dtype)
+    return dtype
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype.is_complex or dtype.itemsize not in (1, 2, 4, 8):
+        raise TypeError(f"dtype {dtype} is not supported: elements must be 1, 2, 4 or 8 bytes, not complex")
+
+
+def as_rows(weights) -> tuple[np.ndarray, torch.dtype, int]:
+    """(rows as a C-contiguous uint8 [N, D * itemsize] array, dtype, D) of a 2-D tensor or array.
+
+    No copy is made when the input is already contiguous on the CPU.
+    """
+    if isinstance(weights, np.ndarray):
+        if weights.dtype not in _NUMPY_TO_TORCH:
+            raise TypeError(f"NumPy dtype {weights.dtype} is not supported")
+        weights = torch.from_numpy(np.ascontiguousarray(weights))
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"weights must be a 2-D torch.Tensor or numpy.ndarray, not {type(weights).__name__}")
+    if weights.dim() != 2:
+        raise ValueError(f"weights must be 2-D [rows, dim], got shape {tuple(weights.shape)}")
+    check_dtype(weights.dtype)
+    if weights.shape[1] == 0:
+        raise ValueError("weights must have at least one column")
+    t = weights.detach().to("cpu").contiguous()
+    rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+    return rows, t.dtype, int(t.shape[1])
+
+
+def rows_to_tensor(rows: np.ndarray, dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """Inverse of as_rows: reinterpret [n, dim * itemsize] bytes as an [n, dim] tensor."""
+    return torch.from_numpy(rows).view(dtype).reshape(rows.shape[0], dim)

@@ -1,0 +1,208 @@
+"""The .ibp file: a fixed prefix, a JSON header and checksummed, aligned sections.
+
+    bytes 0-7    magic b"\\x89IBP\\r\\n\\x1a\\n"
+    bytes 8-23   u32 format version, u32 header length, u32 header CRC-32C, u32 zero
+    then         the JSON header (shape, dtype, word size, clusters, section table)
+    then         sections at 64-byte aligned offsets: masks, bitvals, block_base, rel, payload
+
+Every section carries a CRC-32C in the header. Saving is atomic: the file is
+written beside the target under a temporary name, synced, then renamed over it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from . import _native
+from ._native import lib
+from .dtypes import dtype_from_name, dtype_name
+from .errors import FormatError
+from .table import CompressedTable
+
+MAGIC = b"\x89IBP\r\n\x1a\n"
+_PREFIX = struct.Struct("<8sIIII")
+_ALIGN = 64
+_MAX_HEADER = 1 << 20
+_SECTIONS = ("masks", "bitvals", "block_base", "rel", "payload")
+_WRITE_CHUNK = 64 << 20
+
+
+def crc32c(data, crc: int = 0) -> int:
+    buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    return int(lib.ibp_crc32c(crc, _native.ptr(buf, "const uint8_t *"), buf.size)) if buf.size else crc
+
+
+def _word_dtype(word_bits: int):
+    return {16: np.uint16, 32: np.uint32, 64: np.uint64}[word_bits]
+
+
+def _section_arrays(t: CompressedTable) -> dict[str, np.ndarray]:
+    wd = _word_dtype(t.word_bits)
+    return {
+        "masks": t._masks.astype(wd), "bitvals": t._bitvals.astype(wd),
+        "block_base": t._block_base, "rel": t._rel, "payload": t._payload,
+    }
+
+
+def save(table: CompressedTable, path) -> None:
+    """Write `table` to `path` atomically; an existing file is replaced only on success."""
+    path = Path(path)
+    arrays = _section_arrays(table)
+    sections, offset = [], 0
+    for name in _SECTIONS:
+        a = arrays[name]
+        sections.append({"name": name, "offset": offset, "length": int(a.nbytes), "crc32c": crc32c(a)})
+        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+    header = {
+        "format": "ibp_embed table", "shape": list(table.shape), "dtype": dtype_name(table.dtype),
+        "word_bits": table.word_bits, "clusters": table.clusters,
+        "payload_bytes": table._payload_bytes, "sections": sections,
+    }
+    body = json.dumps(header, sort_keys=True).encode()
+    data_start = -(-(_PREFIX.size + len(body)) // _ALIGN) * _ALIGN
+    for s in sections:
+        s["offset"] += data_start
+    body = json.dumps(header, sort_keys=True).encode()
+    data_start2 = -(-(_PREFIX.size + len(body)) // _ALIGN) * _ALIGN
+    if data_start2 != data_start:  # offsets grew the header past an alignment boundary
+        shift = data_start2 - data_start
+        for s in sections:
+            s["offset"] += shift
+        body = json.dumps(header, sort_keys=True).encode()
+        data_start = data_start2
+    prefix = _PREFIX.pack(MAGIC, _native.FORMAT_VERSION, len(body), crc32c(body), 0)
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(prefix + body)
+            total = sum(s["length"] for s in sections)
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {path.name}",
+                      disable=total < (256 << 20)) as bar:
+                for s in sections:
+                    f.seek(s["offset"])
+                    raw = arrays[s["name"]].reshape(-1).view(np.uint8)
+                    for lo in range(0, raw.size, _WRITE_CHUNK):
+                        f.write(memoryview(raw[lo: lo + _WRITE_CHUNK]))
+                        bar.update(min(_WRITE_CHUNK, raw.size - lo))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dfd = os.open(path.parent or ".", os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def read_header(path) -> dict:
+    """The JSON header of an .ibp file, after checking magic, version and checksum."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(_PREFIX.size)
+            if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
+                raise FormatError(f"{path}: not an .ibp file (bad magic)")
+            _, version, header_len, header_crc, _ = _PREFIX.unpack(prefix)
+            if version != _native.FORMAT_VERSION:
+                raise FormatError(f"{path}: format version {version}; this ibp_embed reads version "
+                                  f"{_native.FORMAT_VERSION}")
+            if header_len > _MAX_HEADER or _PREFIX.size + header_len > size:
+                raise FormatError(f"{path}: truncated or corrupt header ({header_len} bytes declared)")
+            body = f.read(header_len)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e}") from None
+    if crc32c(body) != header_crc:
+        raise FormatError(f"{path}: header checksum mismatch (corrupt file)")
+    try:
+        header = json.loads(body)
+        _check_header(header, size)
+    except (ValueError, KeyError, TypeError) as e:
+        if isinstance(e, FormatError):
+            raise FormatError(f"{path}: {e}") from None
+        raise FormatError(f"{path}: malformed header: {e}") from None
+    header["file_size"] = size
+    return header
+
+
+def _check_header(h: dict, file_size: int) -> None:
+    if h.get("format") != "ibp_embed table":
+        raise FormatError("not an ibp_embed table")
+    n, d = (int(x) for x in h["shape"])
+    dtype = dtype_from_name(h["dtype"])
+    w, k = int(h["word_bits"]), int(h["clusters"])
+    if n < 0 or d < 1 or w not in (16, 32, 64) or not 1 <= k <= 256:
+        raise FormatError(f"bad table description: shape {h['shape']}, word_bits {w}, clusters {k}")
+    row_bytes = d * dtype.itemsize
+    rel_bytes = lib.ibp_rel_bytes(row_bytes)
+    m = -(-row_bytes // (w // 8))
+    pb = int(h["payload_bytes"])
+    expect = {
+        "masks": k * m * w // 8, "bitvals": k * m * w // 8, "block_base": 8 * (n // 64 + 1),
+        "rel": rel_bytes * (n + 1), "payload": pb + lib.ibp_tail_pad(row_bytes, w),
+    }
+    secs = {s["name"]: s for s in h["sections"]}
+    if set(secs) != set(_SECTIONS) or rel_bytes == 0 or pb < 0:
+        raise FormatError("bad section table")
+    for name in _SECTIONS:
+        s = secs[name]
+        off, length = int(s["offset"]), int(s["length"])
+        if length != expect[name]:
+            raise FormatError(f"section {name} is {length} bytes, the table needs {expect[name]}")
+        if off % _ALIGN or off < _PREFIX.size:
+            raise FormatError(f"section {name} at a bad offset {off}")
+        if off + length > file_size:
+            raise FormatError(f"truncated: section {name} ends at byte {off + length}, "
+                              f"the file has {file_size}")
+
+
+def load(path, mmap: bool = True, verify: bool = True) -> CompressedTable:
+    """Open an .ibp file. mmap=True maps it read-only instead of reading it into memory.
+
+    verify=True checks every section's CRC-32C (one pass over the file); the offsets
+    index is always checked, so corrupt data raises FormatError rather than crashing.
+    """
+    path = Path(path)
+    h = read_header(path)
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r") if mmap else np.fromfile(path, dtype=np.uint8)
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: cannot read: {e}") from None
+    if data.size != h["file_size"]:
+        raise FormatError(f"{path}: the file changed while it was opened")
+    dtype = dtype_from_name(h["dtype"])
+    n, d = (int(x) for x in h["shape"])
+    w = int(h["word_bits"])
+    rel_dtype = np.uint16 if lib.ibp_rel_bytes(d * dtype.itemsize) == 2 else np.uint32
+    views = {}
+    for s in h["sections"]:
+        raw = data[s["offset"]: s["offset"] + s["length"]]
+        if verify and crc32c(raw) != s["crc32c"]:
+            raise FormatError(f"{path}: section {s['name']} checksum mismatch (corrupt file)")
+        views[s["name"]] = raw
+    k = int(h["clusters"])
+    wd = _word_dtype(w)
+    return CompressedTable(
+        shape=(n, d), dtype=dtype, word_bits=w,
+        masks=views["masks"].view(wd).reshape(k, -1).astype(np.uint64),
+        bitvals=views["bitvals"].view(wd).reshape(k, -1).astype(np.uint64),
+        block_base=views["block_base"].view(np.uint64), rel=views["rel"].view(rel_dtype),
+        payload=views["payload"], payload_bytes=int(h["payload_bytes"]), validate=True)

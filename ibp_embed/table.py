@@ -1,0 +1,247 @@
+"""CompressedTable: an IBP-compressed embedding table held in host memory (or a mmap)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _native
+from ._native import ffi, lib
+from .dtypes import LOOKUP_DTYPES, dtype_name, rows_to_tensor
+from .errors import FormatError
+
+_MODES = {"sum": 0, "mean": 1}
+
+
+class CompressedTable:
+    """N rows of D elements, stored with Invariant Bit Packing (docs/format.md).
+
+    Build one with :func:`ibp_embed.compress` or :func:`ibp_embed.load`. Reads are
+    thread-safe; the table is immutable.
+    """
+
+    def __init__(self, *, shape, dtype: torch.dtype, word_bits: int, masks: np.ndarray,
+                 bitvals: np.ndarray, block_base: np.ndarray, rel: np.ndarray,
+                 payload: np.ndarray, payload_bytes: int, validate: bool = True):
+        n_rows, dim = (int(s) for s in shape)
+        self._shape = (n_rows, dim)
+        self._dtype = dtype
+        row_bytes = dim * dtype.itemsize
+        self._row_bytes = row_bytes
+        self._word_bits = int(word_bits)
+        n_words = -(-row_bytes // (self._word_bits // 8))
+        masks = np.ascontiguousarray(masks, dtype=np.uint64)
+        bitvals = np.ascontiguousarray(bitvals, dtype=np.uint64)
+        if masks.ndim != 2 or masks.shape[1] != n_words or bitvals.shape != masks.shape:
+            raise FormatError(f"masks of shape {masks.shape} / {bitvals.shape} do not fit "
+                              f"{n_words} words per row")
+        if not 1 <= masks.shape[0] <= 256:
+            raise FormatError(f"{masks.shape[0]} clusters; a table has 1 to 256")
+        rel_bytes = int(lib.ibp_rel_bytes(row_bytes))
+        if rel_bytes == 0:
+            raise FormatError(f"rows of {row_bytes} bytes are too large")
+        if block_base.shape != (n_rows // 64 + 1,) or rel.shape != (n_rows + 1,) \
+                or rel.dtype.itemsize != rel_bytes:
+            raise FormatError("the offsets index does not match the table's shape")
+        if payload.shape[0] < payload_bytes + lib.ibp_tail_pad(row_bytes, self._word_bits):
+            raise FormatError("the payload is shorter than its rows and tail padding")
+        self._masks, self._bitvals = masks, bitvals
+        self._vbits = (self._word_bits - _popcount(masks)).astype(np.uint8)
+        self._block_base, self._rel, self._payload = block_base, rel, payload
+        self._payload_bytes = int(payload_bytes)
+
+        cb = ffi.new("ibp_table *")
+        cb.cb.row_bytes = row_bytes
+        cb.cb.word_bits = self._word_bits
+        cb.cb.n_words = n_words
+        cb.cb.n_clusters = masks.shape[0]
+        cb.cb.masks = _native.ptr(masks, "const uint64_t *")
+        cb.cb.bitvals = _native.ptr(bitvals, "const uint64_t *")
+        cb.cb.vbits = _native.ptr(self._vbits, "const uint8_t *")
+        cb.n_rows = n_rows
+        cb.rel_bytes = rel_bytes
+        cb.block_base = _native.ptr(block_base, "const uint64_t *")
+        cb.rel = _native.ptr(rel, "const void *")
+        cb.payload = _native.ptr(payload, "const uint8_t *")
+        cb.payload_bytes = self._payload_bytes
+        self._c = cb
+        if validate:
+            bad = ffi.new("uint64_t *")
+            rc = lib.ibp_validate(cb, bad)
+            if rc != lib.IBP_OK:
+                raise FormatError(f"invalid compressed table (first bad row {bad[0]}): "
+                                  f"{ffi.string(lib.ibp_error_string(rc)).decode()}")
+
+    # ---- description ----
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def word_bits(self) -> int:
+        return self._word_bits
+
+    @property
+    def clusters(self) -> int:
+        return int(self._masks.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes needed to decode: payload, tail pad, offsets index and masks (W-bit words)."""
+        mask_bytes = 2 * self._masks.size * (self._word_bits // 8)
+        return int(self._payload.nbytes + self._block_base.nbytes + self._rel.nbytes + mask_bytes)
+
+    @property
+    def raw_nbytes(self) -> int:
+        return self._shape[0] * self._row_bytes
+
+    @property
+    def ratio(self) -> float:
+        """raw_nbytes / nbytes (1.0 for an empty table)."""
+        return self.raw_nbytes / self.nbytes if self._shape[0] else 1.0
+
+    @property
+    def masks(self) -> np.ndarray:
+        """[clusters, words] invariant-bit masks (read-only view)."""
+        return _readonly(self._masks)
+
+    @property
+    def bitvals(self) -> np.ndarray:
+        return _readonly(self._bitvals)
+
+    def row_lengths(self) -> np.ndarray:
+        """Stored bytes of every row (the row size when it is stored raw)."""
+        starts = self._row_starts()
+        return np.diff(starts)
+
+    def _row_starts(self) -> np.ndarray:
+        base = np.repeat(self._block_base, 64)[: self._shape[0] + 1]
+        return base + self._rel.astype(np.uint64)
+
+    def cluster_ids(self) -> np.ndarray:
+        """Cluster of every row; -1 for rows stored raw."""
+        starts = self._row_starts()
+        lengths = np.diff(starts)
+        ids = np.full(self._shape[0], -1, dtype=np.int16)
+        enc = lengths < self._row_bytes
+        if self.clusters == 1:
+            ids[enc] = 0
+        else:
+            ids[enc] = self._payload[starts[:-1][enc].astype(np.int64)]
+        return ids
+
+    def __repr__(self) -> str:
+        return (f"CompressedTable(shape={self._shape}, dtype={dtype_name(self._dtype)}, "
+                f"word_bits={self._word_bits}, clusters={self.clusters}, ratio={self.ratio:.3f})")
+
+    def __len__(self) -> int:
+        return self._shape[0]
+
+    # ---- reads ----
+    def decompress(self) -> torch.Tensor:
+        """The whole table, bit-exact, as an [N, D] tensor of the original dtype."""
+        out = np.empty((self._shape[0], self._row_bytes), dtype=np.uint8)
+        if self._shape[0]:
+            _native.check(lib.ibp_decode(self._c, ffi.NULL, 0, _native.ptr(out, "uint8_t *")),
+                          "decompress")
+        return rows_to_tensor(out, self._dtype, self._shape[1])
+
+    def gather(self, indices) -> torch.Tensor:
+        """Rows at `indices` (any shape of integers), bit-exact: shape indices.shape + (D,)."""
+        idx = _as_index_array(indices, "indices")
+        flat = idx.reshape(-1)
+        _check_range(flat, self._shape[0])
+        out = np.empty((flat.size, self._row_bytes), dtype=np.uint8)
+        if flat.size:
+            _native.check(lib.ibp_decode(self._c, _native.ptr(flat, "const int64_t *"), flat.size,
+                                         _native.ptr(out, "uint8_t *")), "gather")
+        return rows_to_tensor(out, self._dtype, self._shape[1]).reshape(*idx.shape, self._shape[1])
+
+    def lookup(self, indices, offsets, per_sample_weights=None, mode: str = "sum") -> torch.Tensor:
+        """Pooled lookup as in TorchRec: bag b pools rows indices[offsets[b]:offsets[b+1]].
+
+        offsets has B + 1 entries, starts at 0 and ends at len(indices). Rows are
+        scaled by per_sample_weights when given; "mean" divides by the bag size
+        (an empty bag gives zeros). Returns a [B, D] float32 tensor.
+        """
+        if self._dtype not in LOOKUP_DTYPES:
+            raise TypeError(f"pooled lookup needs a float32, float16 or bfloat16 table, not {self._dtype}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
+        idx = _as_index_array(indices, "indices").reshape(-1) if _ndim(indices) == 1 else None
+        if idx is None:
+            raise ValueError("indices must be 1-D")
+        off = _as_index_array(offsets, "offsets")
+        if off.ndim != 1 or off.size < 1:
+            raise ValueError("offsets must be 1-D with B + 1 entries")
+        if off[0] != 0 or off[-1] != idx.size:
+            raise ValueError(f"offsets must start at 0 and end at len(indices) = {idx.size}, "
+                             f"got {int(off[0])} .. {int(off[-1])}")
+        if off.size > 1 and np.any(off[1:] < off[:-1]):
+            raise ValueError("offsets must be non-decreasing")
+        _check_range(idx, self._shape[0])
+        weights = ffi.NULL
+        w = None
+        if per_sample_weights is not None:
+            w = _as_float_array(per_sample_weights)
+            if w.shape != idx.shape:
+                raise ValueError(f"per_sample_weights has shape {w.shape}, indices {idx.shape}")
+            weights = _native.ptr(w, "const float *")
+        n_bags = off.size - 1
+        out = torch.empty((n_bags, self._shape[1]), dtype=torch.float32)
+        if n_bags:
+            _native.check(lib.ibp_lookup(
+                self._c, LOOKUP_DTYPES[self._dtype], self._shape[1],
+                _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL,
+                _native.ptr(off, "const int64_t *"), n_bags, weights, _MODES[mode],
+                ffi.cast("float *", out.data_ptr())), "lookup")
+        return out
+
+    def save(self, path) -> None:
+        """Write the table to an .ibp file atomically (see :func:`ibp_embed.load`)."""
+        from .io import save
+
+        save(self, path)
+
+
+def _popcount(a: np.ndarray) -> np.ndarray:
+    return np.bitwise_count(a) if hasattr(np, "bitwise_count") else \
+        np.unpackbits(a.view(np.uint8), axis=-1).reshape(*a.shape, 64).sum(-1)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _ndim(x) -> int:
+    return x.dim() if isinstance(x, torch.Tensor) else np.ndim(x)
+
+
+def _as_index_array(x, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be integers, got {x.dtype}")
+        return np.ascontiguousarray(x.detach().to("cpu", torch.int64).numpy())
+    a = np.asarray(x)
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got {a.dtype}")
+    if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
+        raise IndexError(f"{name} out of range")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _as_float_array(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy()).reshape(-1)
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).reshape(-1)
+
+
+def _check_range(idx: np.ndarray, n_rows: int) -> None:
+    if idx.size and (idx.min() < 0 or idx.max() >= n_rows):
+        bad = idx[(idx < 0) | (idx >= n_rows)][0]
+        raise IndexError(f"row index {int(bad)} out of range for a table of {n_rows} rows")

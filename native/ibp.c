@@ -1,0 +1,352 @@
+/* ibp.c - libibp's public entry points: argument checks, statistics for mask
+ * building, table validation, checksums and the run-time choice of row kernels. */
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "ibp_bits.h"
+#include "ibp_internal.h"
+
+static int g_threads = 0; /* 0: OpenMP's default */
+static const ibp_kernels *g_kernels = NULL;
+
+int ibp_abi_version(void) { return IBP_ABI_VERSION; }
+int ibp_format_version(void) { return IBP_FORMAT_VERSION; }
+
+const char *ibp_error_string(int code)
+{
+    switch (code) {
+    case IBP_OK: return "ok";
+    case IBP_E_ARG: return "invalid argument";
+    case IBP_E_INDEX: return "row index out of range";
+    case IBP_E_CORRUPT: return "compressed data is corrupt";
+    case IBP_E_NOMEM: return "out of memory";
+    default: return "unknown error";
+    }
+}
+
+void ibp_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
+int ibp_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
+int ibp_get_num_threads(void) { return ibp_threads(); }
+
+static int cpu_has_v3(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("lzcnt") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+static const ibp_kernels *kernels(void)
+{
+    if (!g_kernels)
+        g_kernels = cpu_has_v3() ? &ibp_kernels_v3 : &ibp_kernels_generic;
+    return g_kernels;
+}
+
+int ibp_bmi2_active(void) { return kernels() == &ibp_kernels_v3; }
+
+int ibp_use_bmi2(int enable)
+{
+    if (enable && !cpu_has_v3())
+        return IBP_E_ARG;
+    g_kernels = enable ? &ibp_kernels_v3 : &ibp_kernels_generic;
+    return IBP_OK;
+}
+
+uint64_t ibp_tail_pad(uint32_t row_bytes, uint32_t word_bits)
+{
+    /* A corrupt header can make a decoder read a whole row's worth of words
+     * from any row start, plus the 9-byte reads of the bit reader. */
+    uint32_t B = word_bits / 8 ? word_bits / 8 : 1;
+    return (uint64_t)(row_bytes + B - 1) / B * B + (row_bytes + 7) / 8 + 17;
+}
+
+uint32_t ibp_rel_bytes(uint32_t row_bytes)
+{
+    uint64_t max_rel = (uint64_t)(IBP_BLOCK_ROWS - 1) * row_bytes;
+    if (max_rel <= UINT16_MAX)
+        return 2;
+    if (max_rel <= UINT32_MAX)
+        return 4;
+    return 0;
+}
+
+/* ---- CRC-32C (Castagnoli), hardware instruction when the CPU has SSE4.2 ---- */
+
+static uint32_t crc_table[256];
+
+static void crc_init_table(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        crc_table[i] = c;
+    }
+}
+
+static uint32_t crc32c_portable(uint32_t c, const uint8_t *p, size_t n)
+{
+    if (!crc_table[1])
+        crc_init_table();
+    while (n--)
+        c = crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
+    return c;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <nmmintrin.h>
+__attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t c, const uint8_t *p,
+                                                                size_t n)
+{
+    uint64_t c64 = c;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c64 = _mm_crc32_u64(c64, v);
+        p += 8;
+        n -= 8;
+    }
+    c = (uint32_t)c64;
+    while (n--)
+        c = _mm_crc32_u8(c, *p++);
+    return c;
+}
+#endif
+
+uint32_t ibp_crc32c(uint32_t crc, const void *data, size_t n)
+{
+    uint32_t c = ~crc;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("sse4.2"))
+        return ~crc32c_sse42(c, data, n);
+#endif
+    return ~crc32c_portable(c, data, n);
+}
+
+/* ---- argument checks ---- */
+
+static int check_shape(uint32_t row_bytes, uint32_t word_bits)
+{
+    if (word_bits != 16 && word_bits != 32 && word_bits != 64)
+        return IBP_E_ARG;
+    if (row_bytes == 0 || ibp_rel_bytes(row_bytes) == 0)
+        return IBP_E_ARG;
+    return IBP_OK;
+}
+
+static int check_codebook(const ibp_codebook *cb)
+{
+    if (!cb || !cb->masks || !cb->bitvals || !cb->vbits)
+        return IBP_E_ARG;
+    if (check_shape(cb->row_bytes, cb->word_bits) != IBP_OK)
+        return IBP_E_ARG;
+    uint32_t B = cb->word_bits / 8;
+    if (cb->n_words != (cb->row_bytes + B - 1) / B)
+        return IBP_E_ARG;
+    if (cb->n_clusters < 1 || cb->n_clusters > 256)
+        return IBP_E_ARG;
+    uint64_t wmask = ibp_low_bits(cb->word_bits);
+    for (uint64_t q = 0; q < (uint64_t)cb->n_clusters * cb->n_words; q++) {
+        if ((cb->masks[q] & ~wmask) || (cb->bitvals[q] & ~cb->masks[q]))
+            return IBP_E_CORRUPT;
+        if (cb->vbits[q] != cb->word_bits - ibp_popcount64(cb->masks[q]))
+            return IBP_E_ARG;
+    }
+    return IBP_OK;
+}
+
+static int check_sel(const int64_t *sel, uint64_t n_sel, uint64_t n_rows)
+{
+    if (!sel)
+        return IBP_OK;
+    for (uint64_t s = 0; s < n_sel; s++)
+        if (sel[s] < 0 || (uint64_t)sel[s] >= n_rows)
+            return IBP_E_INDEX;
+    return IBP_OK;
+}
+
+/* ---- statistics ---- */
+
+int ibp_bit_counts(const uint8_t *rows, uint64_t n_rows, uint32_t row_bytes,
+                   uint32_t word_bits, const int64_t *sel, uint64_t n_sel, uint64_t *counts)
+{
+    int rc = check_shape(row_bytes, word_bits);
+    if (rc == IBP_OK)
+        rc = check_sel(sel, n_sel, n_rows);
+    if (rc != IBP_OK || !counts || (n_rows && !rows))
+        return rc != IBP_OK ? rc : IBP_E_ARG;
+    const uint32_t B = word_bits / 8, M = (row_bytes + B - 1) / B;
+    const uint64_t n = sel ? n_sel : n_rows;
+    memset(counts, 0, (size_t)M * word_bits * sizeof(uint64_t));
+    int err = IBP_OK;
+    /* Per thread, a 256-bin histogram per byte position: one increment per byte
+     * instead of one per bit; bits are summed out of the histograms at the end. */
+#pragma omp parallel num_threads(ibp_threads()) if (n >= 4096)
+    {
+        uint64_t *hist = calloc((size_t)row_bytes * 256, sizeof(uint64_t));
+        if (!hist) {
+            __atomic_store_n(&err, IBP_E_NOMEM, __ATOMIC_RELAXED);
+        } else {
+#pragma omp for schedule(static)
+            for (uint64_t s = 0; s < n; s++) {
+                const uint8_t *row = rows + (uint64_t)(sel ? (uint64_t)sel[s] : s) * row_bytes;
+                for (uint32_t c = 0; c < row_bytes; c++)
+                    hist[(size_t)c * 256 + row[c]]++;
+            }
+#pragma omp critical
+            for (uint32_t c = 0; c < row_bytes; c++)
+                for (uint32_t v = 1; v < 256; v++) {
+                    uint64_t h = hist[(size_t)c * 256 + v];
+                    if (!h)
+                        continue;
+                    for (uint32_t b = 0; b < 8; b++)
+                        if (v >> b & 1)
+                            counts[(size_t)c * 8 + b] += h; /* byte c, bit b = word c/B, bit 8(c%B)+b */
+                }
+            free(hist);
+        }
+    }
+    return err;
+}
+
+int ibp_word_costs(const uint8_t *rows, uint64_t n_rows, uint32_t row_bytes, uint32_t word_bits,
+                   const int64_t *sel, uint64_t n_sel, const uint64_t *cand_masks,
+                   const uint64_t *cand_bitvals, uint32_t n_cand, uint64_t *costs)
+{
+    int rc = check_shape(row_bytes, word_bits);
+    if (rc == IBP_OK)
+        rc = check_sel(sel, n_sel, n_rows);
+    if (rc != IBP_OK || !costs || !cand_masks || !cand_bitvals || (n_rows && !rows))
+        return rc != IBP_OK ? rc : IBP_E_ARG;
+    const uint32_t W = word_bits, B = W / 8, M = (row_bytes + B - 1) / B;
+    const uint64_t n = sel ? n_sel : n_rows;
+    const size_t nc = (size_t)n_cand * M;
+    uint8_t *vb = malloc(nc ? nc : 1);
+    if (!vb)
+        return IBP_E_NOMEM;
+    for (size_t q = 0; q < nc; q++)
+        vb[q] = (uint8_t)(W - ibp_popcount64(cand_masks[q] & ibp_low_bits(W)));
+    memset(costs, 0, nc * sizeof(uint64_t));
+    int err = IBP_OK;
+#pragma omp parallel num_threads(ibp_threads()) if (n >= 1024)
+    {
+        uint64_t *local = calloc(nc ? nc : 1, sizeof(uint64_t));
+        if (!local) {
+            __atomic_store_n(&err, IBP_E_NOMEM, __ATOMIC_RELAXED);
+        } else {
+#pragma omp for schedule(static)
+            for (uint64_t s = 0; s < n; s++) {
+                const uint8_t *row = rows + (uint64_t)(sel ? (uint64_t)sel[s] : s) * row_bytes;
+                for (uint32_t j = 0; j < M; j++) {
+                    uint64_t w = 0;
+                    uint32_t at = j * B;
+                    memcpy(&w, row + at, at + B <= row_bytes ? B : row_bytes - at);
+                    for (uint32_t c = 0; c < n_cand; c++) {
+                        size_t q = (size_t)c * M + j;
+                        local[q] += ibp_word_cost(w, cand_masks[q], cand_bitvals[q], vb[q], W);
+                    }
+                }
+            }
+#pragma omp critical
+            for (size_t q = 0; q < nc; q++)
+                costs[q] += local[q];
+            free(local);
+        }
+    }
+    free(vb);
+    return err;
+}
+
+/* ---- encode / decode ---- */
+
+int ibp_assign(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
+               uint8_t *cluster_out, uint32_t *length_out)
+{
+    int rc = check_codebook(cb);
+    if (rc != IBP_OK)
+        return rc;
+    if (n_rows && !rows)
+        return IBP_E_ARG;
+    return kernels()->assign(cb, rows, n_rows, cluster_out, length_out);
+}
+
+int ibp_encode(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
+               const uint8_t *clusters, const uint64_t *offsets, uint8_t *payload)
+{
+    int rc = check_codebook(cb);
+    if (rc != IBP_OK)
+        return rc;
+    if ((n_rows && (!rows || !payload)) || !offsets || (cb->n_clusters > 1 && !clusters))
+        return IBP_E_ARG;
+    return kernels()->encode(cb, rows, n_rows, clusters, offsets, payload);
+}
+
+int ibp_validate(const ibp_table *t, uint64_t *bad_row)
+{
+    if (bad_row)
+        *bad_row = 0;
+    if (!t)
+        return IBP_E_ARG;
+    int rc = check_codebook(&t->cb);
+    if (rc != IBP_OK)
+        return rc;
+    if (!t->block_base || !t->rel || (t->payload_bytes && !t->payload))
+        return IBP_E_ARG;
+    if (t->rel_bytes != ibp_rel_bytes(t->cb.row_bytes))
+        return IBP_E_CORRUPT;
+    const uint32_t R = t->cb.row_bytes, K = t->cb.n_clusters;
+    const uint32_t hdr = (K > 1) + (t->cb.n_words + 7) / 8;
+    if (ibp_row_start(t, 0) != 0 || ibp_row_start(t, t->n_rows) != t->payload_bytes)
+        return IBP_E_CORRUPT;
+    /* Lengths fit the payload and are either raw (== R) or at least a header;
+     * a decoder reading any row then stays inside payload + tail pad. */
+    uint64_t prev = 0;
+    for (uint64_t i = 0; i < t->n_rows; i++) {
+        uint64_t next = ibp_row_start(t, i + 1);
+        uint64_t len = next - prev;
+        if (next < prev || len > R || (len < R && (len < hdr || (K > 1 && t->payload[prev] >= K)))) {
+            if (bad_row)
+                *bad_row = i;
+            return IBP_E_CORRUPT;
+        }
+        prev = next;
+    }
+    return IBP_OK;
+}
+
+int ibp_decode(const ibp_table *t, const int64_t *idx, uint64_t n_idx, uint8_t *out)
+{
+    if (!t || (!out && (idx ? n_idx : t->n_rows)))
+        return IBP_E_ARG;
+    return kernels()->decode(t, idx, n_idx, out);
+}
+
+int ibp_lookup(const ibp_table *t, int dtype, uint32_t dim, const int64_t *indices,
+               const int64_t *offsets, uint64_t n_bags, const float *weights, int mode,
+               float *out)
+{
+    if (!t || !offsets || (n_bags && !out))
+        return IBP_E_ARG;
+    if (dtype != IBP_DTYPE_F32 && dtype != IBP_DTYPE_F16 && dtype != IBP_DTYPE_BF16)
+        return IBP_E_ARG;
+    if (mode != IBP_POOL_SUM && mode != IBP_POOL_MEAN)
+        return IBP_E_ARG;
+    uint32_t esize = dtype == IBP_DTYPE_F32 ? 4 : 2;
+    if ((uint64_t)dim * esize != t->cb.row_bytes)
+        return IBP_E_ARG;
+    if (offsets[0] != 0)
+        return IBP_E_ARG;
+    for (uint64_t b = 0; b < n_bags; b++)
+        if (offsets[b + 1] < offsets[b])
+            return IBP_E_ARG;
+    if (offsets[n_bags] > 0 && !indices)
+        return IBP_E_ARG;
+    return kernels()->lookup(t, dtype, dim, indices, offsets, n_bags, weights, mode, out);
+}

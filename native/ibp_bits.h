@@ -1,0 +1,129 @@
+/* ibp_bits.h - per-word bit logic of the IBP format, shared by the C library and
+ * the CUDA kernels (every function is static inline and marked host+device).
+ *
+ * A row is M words of W bits. For the cluster's mask m (1 = invariant position)
+ * and bitval v, a word w "participates" when (w & m) == v; it is then stored as
+ * its W - popcount(m) variable bits, compacted in order (a pext by ~m). Decoding
+ * deposits them back (a pdep by ~m) and ORs in v. The portable extract/deposit
+ * below loop over whichever set is smaller, invariant or variable bits, so the
+ * common case of a few invariant bits costs a few iterations.
+ */
+#ifndef IBP_BITS_H
+#define IBP_BITS_H
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define IBP_HD static inline __host__ __device__
+#else
+#define IBP_HD static inline
+#endif
+
+IBP_HD int ibp_popcount64(uint64_t x)
+{
+#if defined(__CUDA_ARCH__)
+    return __popcll(x);
+#else
+    return __builtin_popcountll(x);
+#endif
+}
+
+/* Index of the lowest / highest set bit; x must be non-zero. */
+IBP_HD int ibp_lowest_bit(uint64_t x)
+{
+#if defined(__CUDA_ARCH__)
+    return __ffsll((long long)x) - 1;
+#else
+    return __builtin_ctzll(x);
+#endif
+}
+
+IBP_HD int ibp_highest_bit(uint64_t x)
+{
+#if defined(__CUDA_ARCH__)
+    return 63 - __clzll((long long)x);
+#else
+    return 63 - __builtin_clzll(x);
+#endif
+}
+
+/* The n lowest bits set, 0 <= n <= 64. */
+IBP_HD uint64_t ibp_low_bits(uint32_t n)
+{
+    return n >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << n) - 1);
+}
+
+IBP_HD int ibp_participates(uint64_t w, uint64_t mask, uint64_t bitval)
+{
+    return (w & mask) == bitval;
+}
+
+/* Bits a word costs in the bitstream. */
+IBP_HD uint32_t ibp_word_cost(uint64_t w, uint64_t mask, uint64_t bitval,
+                              uint32_t vbits, uint32_t word_bits)
+{
+    return ibp_participates(w, mask, bitval) ? vbits : word_bits;
+}
+
+/* pext(w, ~mask) restricted to W bits: the variable bits of w, compacted. */
+IBP_HD uint64_t ibp_extract(uint64_t w, uint64_t mask, uint32_t word_bits)
+{
+    uint64_t keep = ~mask & ibp_low_bits(word_bits);
+    w &= keep;
+    if (ibp_popcount64(mask & ibp_low_bits(word_bits)) <= ibp_popcount64(keep)) {
+        /* Few invariant bits: close each gap, highest first so lower positions stay put. */
+        uint64_t m = mask & ibp_low_bits(word_bits);
+        while (m) {
+            int p = ibp_highest_bit(m);
+            m &= ~((uint64_t)1 << p);
+            w = (w & ibp_low_bits((uint32_t)p)) | ((w >> p >> 1) << p);
+        }
+        return w;
+    }
+    /* Few variable bits: gather them one by one. */
+    uint64_t out = 0;
+    int k = 0;
+    while (keep) {
+        int p = ibp_lowest_bit(keep);
+        keep &= keep - 1;
+        out |= ((w >> p) & 1) << k;
+        k++;
+    }
+    return out;
+}
+
+/* pdep(x, ~mask) restricted to W bits: x's low bits spread over the variable positions. */
+IBP_HD uint64_t ibp_deposit(uint64_t x, uint64_t mask, uint32_t word_bits)
+{
+    uint64_t keep = ~mask & ibp_low_bits(word_bits);
+    uint64_t m = mask & ibp_low_bits(word_bits);
+    if (ibp_popcount64(m) <= ibp_popcount64(keep)) {
+        /* Few invariant bits: open a zero gap at each, lowest first. */
+        x &= ibp_low_bits((uint32_t)ibp_popcount64(keep));
+        while (m) {
+            int p = ibp_lowest_bit(m);
+            m &= m - 1;
+            uint64_t low = ibp_low_bits((uint32_t)p);
+            x = (x & low) | ((x & ~low) << 1);
+        }
+        return x;
+    }
+    uint64_t out = 0;
+    int k = 0;
+    while (keep) {
+        int p = ibp_lowest_bit(keep);
+        keep &= keep - 1;
+        out |= ((x >> k) & 1) << p;
+        k++;
+    }
+    return out;
+}
+
+/* A word of the decoded row: participating words get their invariant bits back. */
+IBP_HD uint64_t ibp_decode_word(uint64_t field, int participating, uint64_t mask,
+                                uint64_t bitval, uint32_t word_bits)
+{
+    return participating ? (ibp_deposit(field, mask, word_bits) | bitval) : field;
+}
+
+#endif /* IBP_BITS_H */

@@ -1,0 +1,9 @@
+/* Row kernels for x86-64-v3 CPUs (Haswell, Zen and newer): BMI2 pext/pdep do a
+ * word's extract/deposit in one instruction. Built with -march=x86-64-v3 and only
+ * called after a run-time CPU check (ibp.c). */
+#define IBP_ISA v3
+#include <immintrin.h>
+#define IBP_EXTRACT(w, mask, W) _pext_u64((w), ~(mask) & ibp_low_bits(W))
+#define IBP_DEPOSIT(x, mask, W) _pdep_u64((x), ~(mask) & ibp_low_bits(W))
+#define IBP_HALF_TO_FLOAT(h) _cvtsh_ss(h)
+#include "ibp_rowcodec.inc"
