@@ -16,10 +16,29 @@ FBGEMM := $(if $(shell command -v nvidia-smi 2>/dev/null),fbgemm-gpu==1.8.0,fbge
 
 HEADERS := $(wildcard native/*.h) native/ibp_rowcodec.inc
 
-.PHONY: all lib venv demo test bench clean
-all: lib venv
+.PHONY: all lib cuda venv demo test bench clean
+all: lib cuda venv
 
 lib: $(LIB)
+
+# The CUDA library links cudart statically, so it loads on machines without a GPU
+# and reports "no CUDA device" at run time. Skipped where nvcc is absent.
+CUDA_SRC := $(wildcard native/cuda/*.cu)
+CUDA_HDR := $(wildcard native/cuda/*.cuh) native/ibp_bits.h native/ibp.h
+NVCCFLAGS := -O3 -std=c++17 -shared -Xcompiler -fPIC -cudart static \
+	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+ifneq ($(NVCC),)
+ifneq ($(CUDA_SRC),)
+cuda: $(CUDA_LIB)
+else
+cuda:
+endif
+else
+cuda:
+	@echo "nvcc not found: skipping the CUDA library"
+endif
+$(CUDA_LIB): $(CUDA_SRC) $(CUDA_HDR) | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) -Inative $(CUDA_SRC) -o $@
 
 $(BUILD)/ibp.o: native/ibp.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -c $< -o $@
