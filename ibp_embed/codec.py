@@ -59,13 +59,18 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
     rng = np.random.default_rng(seed)
     sample = rows if n_rows <= sample_rows else rows[np.sort(rng.choice(n_rows, sample_rows, replace=False))]
     sample = np.ascontiguousarray(sample)
+    # The word size is chosen with one mask (the comparison is what matters, and
+    # clusters rarely change it); the clusters are then built for that size.
     best = None
     for w in ([word_bits] if word_bits else WORD_BITS):
-        book = _build_codebook(sample, w, clusters, thresholds)
+        book = _single_codebook(sample, w, thresholds)
         size = _estimate_nbytes(book, sample, n_rows)
         if best is None or size < best[0]:
             best = (size, book)
-    return _encode_table(rows, dtype, dim, best[1], progress)
+    book = best[1]
+    if clusters > 1:
+        book = _lloyd(sample, book, clusters, thresholds)
+    return _encode_table(rows, dtype, dim, book, progress)
 
 
 class _Codebook:
@@ -150,10 +155,14 @@ def _row_signature(rows: np.ndarray, word_bits: int) -> np.ndarray:
     return ((words >> (word_bits - 9)) & 0xFF).astype(np.float64).mean(axis=1)
 
 
-def _build_codebook(sample: np.ndarray, word_bits: int, clusters: int, thresholds) -> _Codebook:
-    row_bytes = sample.shape[1]
+def _single_codebook(sample: np.ndarray, word_bits: int, thresholds) -> _Codebook:
     mask, bitval = _best_masks(sample, None, word_bits, thresholds)
-    single = _Codebook(row_bytes, word_bits, mask[None], bitval[None])
+    return _Codebook(sample.shape[1], word_bits, mask[None], bitval[None])
+
+
+def _lloyd(sample: np.ndarray, single: _Codebook, clusters: int, thresholds) -> _Codebook:
+    """Up to `clusters` masks by Lloyd rounds; `single` unless that is smaller."""
+    row_bytes, word_bits = sample.shape[1], single.word_bits
     k = min(clusters, sample.shape[0])
     if k <= 1:
         return single

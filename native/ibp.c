@@ -285,7 +285,20 @@ int ibp_encode(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
         return rc;
     if ((n_rows && (!rows || !payload)) || !offsets || (cb->n_clusters > 1 && !clusters))
         return IBP_E_ARG;
-    return kernels()->encode(cb, rows, n_rows, clusters, offsets, payload);
+    return kernels()->encode(cb, rows, n_rows, clusters, offsets, NULL, payload);
+}
+
+int ibp_encode_at(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
+                  const uint8_t *clusters, const uint64_t *starts, const uint32_t *lengths,
+                  uint8_t *payload)
+{
+    int rc = check_codebook(cb);
+    if (rc != IBP_OK)
+        return rc;
+    if ((n_rows && (!rows || !payload || !starts || !lengths)) ||
+        (cb->n_clusters > 1 && !clusters))
+        return IBP_E_ARG;
+    return kernels()->encode(cb, rows, n_rows, clusters, starts, lengths, payload);
 }
 
 int ibp_validate(const ibp_table *t, uint64_t *bad_row)
@@ -303,20 +316,31 @@ int ibp_validate(const ibp_table *t, uint64_t *bad_row)
         return IBP_E_CORRUPT;
     const uint32_t R = t->cb.row_bytes, K = t->cb.n_clusters;
     const uint32_t hdr = (K > 1) + (t->cb.n_words + 7) / 8;
-    if (ibp_row_start(t, 0) != 0 || ibp_row_start(t, t->n_rows) != t->payload_bytes)
+    if (t->row_start ? !t->row_len
+                     : ibp_row_start(t, 0) != 0 || ibp_row_start(t, t->n_rows) != t->payload_bytes)
         return IBP_E_CORRUPT;
     /* Lengths fit the payload and are either raw (== R) or at least a header;
      * a decoder reading any row then stays inside payload + tail pad. */
     uint64_t prev = 0;
     for (uint64_t i = 0; i < t->n_rows; i++) {
-        uint64_t next = ibp_row_start(t, i + 1);
-        uint64_t len = next - prev;
-        if (next < prev || len > R || (len < R && (len < hdr || (K > 1 && t->payload[prev] >= K)))) {
+        uint64_t start, len;
+        int bad;
+        if (t->row_start) {
+            start = t->row_start[i];
+            len = t->row_len[i];
+            bad = start > t->payload_bytes || len > t->payload_bytes - start;
+        } else {
+            uint64_t next = ibp_row_start(t, i + 1);
+            start = prev;
+            len = next - prev;
+            bad = next < prev;
+            prev = next;
+        }
+        if (bad || len > R || (len < R && (len < hdr || (K > 1 && t->payload[start] >= K)))) {
             if (bad_row)
                 *bad_row = i;
             return IBP_E_CORRUPT;
         }
-        prev = next;
     }
     return IBP_OK;
 }

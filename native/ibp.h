@@ -57,6 +57,11 @@ typedef struct ibp_table {
     const void *rel;             /* [n_rows + 1] of uint16 or uint32 */
     const uint8_t *payload;      /* payload_bytes, then at least ibp_tail_pad() readable bytes */
     uint64_t payload_bytes;
+    /* Arena mode (a table being updated): when row_start is not NULL, row i lives at
+     * payload + row_start[i] with row_len[i] bytes, in any order, and the block
+     * index above is unused. */
+    const uint64_t *row_start;
+    const uint32_t *row_len;
 } ibp_table;
 
 int ibp_abi_version(void);
@@ -96,6 +101,10 @@ int ibp_assign(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
  * clusters may be NULL when K == 1. */
 int ibp_encode(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
                const uint8_t *clusters, const uint64_t *offsets, uint8_t *payload);
+/* The same, row i going to payload + starts[i] with lengths[i] bytes (arena mode). */
+int ibp_encode_at(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
+                  const uint8_t *clusters, const uint64_t *starts, const uint32_t *lengths,
+                  uint8_t *payload);
 
 /* Structural check of a table: codebook, offsets monotone and in bounds, row
  * lengths, cluster ids. Returns IBP_E_CORRUPT and the first bad row in *bad_row. */
