@@ -12,7 +12,75 @@ from .errors import FormatError
 _MODES = {"sum": 0, "mean": 1}
 
 
-class CompressedTable:
+class TableReads:
+    """Reads shared by packed and updatable tables: both expose an ibp_table struct
+    in self._c, plus self._shape, self._dtype and self._row_bytes."""
+
+    _c = None
+    _shape: tuple[int, int]
+    _dtype: torch.dtype
+    _row_bytes: int
+
+    def decompress(self) -> torch.Tensor:
+        """The whole table, bit-exact, as an [N, D] tensor of the original dtype."""
+        out = np.empty((self._shape[0], self._row_bytes), dtype=np.uint8)
+        if self._shape[0]:
+            _native.check(lib.ibp_decode(self._c, ffi.NULL, 0, _native.ptr(out, "uint8_t *")),
+                          "decompress")
+        return rows_to_tensor(out, self._dtype, self._shape[1])
+
+    def gather(self, indices) -> torch.Tensor:
+        """Rows at `indices` (any shape of integers), bit-exact: shape indices.shape + (D,)."""
+        idx = _as_index_array(indices, "indices")
+        flat = idx.reshape(-1)
+        _check_range(flat, self._shape[0])
+        out = np.empty((flat.size, self._row_bytes), dtype=np.uint8)
+        if flat.size:
+            _native.check(lib.ibp_decode(self._c, _native.ptr(flat, "const int64_t *"), flat.size,
+                                         _native.ptr(out, "uint8_t *")), "gather")
+        return rows_to_tensor(out, self._dtype, self._shape[1]).reshape(*idx.shape, self._shape[1])
+
+    def lookup(self, indices, offsets, per_sample_weights=None, mode: str = "sum") -> torch.Tensor:
+        """Pooled lookup as in TorchRec: bag b pools rows indices[offsets[b]:offsets[b+1]].
+
+        offsets has B + 1 entries, starts at 0 and ends at len(indices). Rows are
+        scaled by per_sample_weights when given; "mean" divides by the bag size
+        (an empty bag gives zeros). Returns a [B, D] float32 tensor.
+        """
+        if self._dtype not in LOOKUP_DTYPES:
+            raise TypeError(f"pooled lookup needs a float32, float16 or bfloat16 table, not {self._dtype}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
+        if _ndim(indices) != 1:
+            raise ValueError("indices must be 1-D")
+        idx = _as_index_array(indices, "indices")
+        off = _as_index_array(offsets, "offsets")
+        if off.ndim != 1 or off.size < 1:
+            raise ValueError("offsets must be 1-D with B + 1 entries")
+        if off[0] != 0 or off[-1] != idx.size:
+            raise ValueError(f"offsets must start at 0 and end at len(indices) = {idx.size}, "
+                             f"got {int(off[0])} .. {int(off[-1])}")
+        if off.size > 1 and np.any(off[1:] < off[:-1]):
+            raise ValueError("offsets must be non-decreasing")
+        _check_range(idx, self._shape[0])
+        weights = ffi.NULL
+        if per_sample_weights is not None:
+            w = _as_float_array(per_sample_weights)
+            if w.shape != idx.shape:
+                raise ValueError(f"per_sample_weights has shape {w.shape}, indices {idx.shape}")
+            weights = _native.ptr(w, "const float *")
+        n_bags = off.size - 1
+        out = torch.empty((n_bags, self._shape[1]), dtype=torch.float32)
+        if n_bags:
+            _native.check(lib.ibp_lookup(
+                self._c, LOOKUP_DTYPES[self._dtype], self._shape[1],
+                _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL,
+                _native.ptr(off, "const int64_t *"), n_bags, weights, _MODES[mode],
+                ffi.cast("float *", out.data_ptr())), "lookup")
+        return out
+
+
+class CompressedTable(TableReads):
     """N rows of D elements, stored with Invariant Bit Packing (docs/format.md).
 
     Build one with :func:`ibp_embed.compress` or :func:`ibp_embed.load`. Reads are
@@ -45,7 +113,7 @@ class CompressedTable:
         if payload.shape[0] < payload_bytes + lib.ibp_tail_pad(row_bytes, self._word_bits):
             raise FormatError("the payload is shorter than its rows and tail padding")
         self._masks, self._bitvals = masks, bitvals
-        self._vbits = (self._word_bits - _popcount(masks)).astype(np.uint8)
+        self._vbits = (self._word_bits - np.bitwise_count(masks)).astype(np.uint8)
         self._block_base, self._rel, self._payload = block_base, rel, payload
         self._payload_bytes = int(payload_bytes)
 
@@ -140,76 +208,11 @@ class CompressedTable:
     def __len__(self) -> int:
         return self._shape[0]
 
-    # ---- reads ----
-    def decompress(self) -> torch.Tensor:
-        """The whole table, bit-exact, as an [N, D] tensor of the original dtype."""
-        out = np.empty((self._shape[0], self._row_bytes), dtype=np.uint8)
-        if self._shape[0]:
-            _native.check(lib.ibp_decode(self._c, ffi.NULL, 0, _native.ptr(out, "uint8_t *")),
-                          "decompress")
-        return rows_to_tensor(out, self._dtype, self._shape[1])
-
-    def gather(self, indices) -> torch.Tensor:
-        """Rows at `indices` (any shape of integers), bit-exact: shape indices.shape + (D,)."""
-        idx = _as_index_array(indices, "indices")
-        flat = idx.reshape(-1)
-        _check_range(flat, self._shape[0])
-        out = np.empty((flat.size, self._row_bytes), dtype=np.uint8)
-        if flat.size:
-            _native.check(lib.ibp_decode(self._c, _native.ptr(flat, "const int64_t *"), flat.size,
-                                         _native.ptr(out, "uint8_t *")), "gather")
-        return rows_to_tensor(out, self._dtype, self._shape[1]).reshape(*idx.shape, self._shape[1])
-
-    def lookup(self, indices, offsets, per_sample_weights=None, mode: str = "sum") -> torch.Tensor:
-        """Pooled lookup as in TorchRec: bag b pools rows indices[offsets[b]:offsets[b+1]].
-
-        offsets has B + 1 entries, starts at 0 and ends at len(indices). Rows are
-        scaled by per_sample_weights when given; "mean" divides by the bag size
-        (an empty bag gives zeros). Returns a [B, D] float32 tensor.
-        """
-        if self._dtype not in LOOKUP_DTYPES:
-            raise TypeError(f"pooled lookup needs a float32, float16 or bfloat16 table, not {self._dtype}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
-        idx = _as_index_array(indices, "indices").reshape(-1) if _ndim(indices) == 1 else None
-        if idx is None:
-            raise ValueError("indices must be 1-D")
-        off = _as_index_array(offsets, "offsets")
-        if off.ndim != 1 or off.size < 1:
-            raise ValueError("offsets must be 1-D with B + 1 entries")
-        if off[0] != 0 or off[-1] != idx.size:
-            raise ValueError(f"offsets must start at 0 and end at len(indices) = {idx.size}, "
-                             f"got {int(off[0])} .. {int(off[-1])}")
-        if off.size > 1 and np.any(off[1:] < off[:-1]):
-            raise ValueError("offsets must be non-decreasing")
-        _check_range(idx, self._shape[0])
-        weights = ffi.NULL
-        w = None
-        if per_sample_weights is not None:
-            w = _as_float_array(per_sample_weights)
-            if w.shape != idx.shape:
-                raise ValueError(f"per_sample_weights has shape {w.shape}, indices {idx.shape}")
-            weights = _native.ptr(w, "const float *")
-        n_bags = off.size - 1
-        out = torch.empty((n_bags, self._shape[1]), dtype=torch.float32)
-        if n_bags:
-            _native.check(lib.ibp_lookup(
-                self._c, LOOKUP_DTYPES[self._dtype], self._shape[1],
-                _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL,
-                _native.ptr(off, "const int64_t *"), n_bags, weights, _MODES[mode],
-                ffi.cast("float *", out.data_ptr())), "lookup")
-        return out
-
     def save(self, path) -> None:
         """Write the table to an .ibp file atomically (see :func:`ibp_embed.load`)."""
         from .io import save
 
         save(self, path)
-
-
-def _popcount(a: np.ndarray) -> np.ndarray:
-    return np.bitwise_count(a) if hasattr(np, "bitwise_count") else \
-        np.unpackbits(a.view(np.uint8), axis=-1).reshape(*a.shape, 64).sum(-1)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

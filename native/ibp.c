@@ -301,6 +301,17 @@ int ibp_encode_at(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
     return kernels()->encode(cb, rows, n_rows, clusters, starts, lengths, payload);
 }
 
+int ibp_move_rows(const uint8_t *src, const uint64_t *src_start, const uint32_t *len,
+                  uint64_t n, uint8_t *dst, const uint64_t *dst_start)
+{
+    if (n && (!src || !src_start || !len || !dst || !dst_start))
+        return IBP_E_ARG;
+#pragma omp parallel for schedule(static) num_threads(ibp_threads()) if (n >= 4096)
+    for (uint64_t i = 0; i < n; i++)
+        memcpy(dst + dst_start[i], src + src_start[i], len[i]);
+    return IBP_OK;
+}
+
 int ibp_validate(const ibp_table *t, uint64_t *bad_row)
 {
     if (bad_row)

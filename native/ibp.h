@@ -106,6 +106,11 @@ int ibp_encode_at(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
                   const uint8_t *clusters, const uint64_t *starts, const uint32_t *lengths,
                   uint8_t *payload);
 
+/* Copy n variable-length rows: src + src_start[i] -> dst + dst_start[i], len[i] bytes
+ * (compacting an arena). Ranges must not overlap. */
+int ibp_move_rows(const uint8_t *src, const uint64_t *src_start, const uint32_t *len,
+                  uint64_t n, uint8_t *dst, const uint64_t *dst_start);
+
 /* Structural check of a table: codebook, offsets monotone and in bounds, row
  * lengths, cluster ids. Returns IBP_E_CORRUPT and the first bad row in *bad_row. */
 int ibp_validate(const ibp_table *t, uint64_t *bad_row);
