@@ -44,7 +44,7 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
     n_rows, row_bytes = rows.shape
     if word_bits is not None and word_bits not in WORD_BITS:
         raise ValueError(f"word_bits must be one of {WORD_BITS} or None, not {word_bits!r}")
-    if not isinstance(clusters, int) or not 1 <= clusters <= 256:
+    if isinstance(clusters, bool) or not isinstance(clusters, (int, np.integer)) or not 1 <= clusters <= 256:
         raise ValueError(f"clusters must be an integer in 1..256, not {clusters!r}")
     if threshold is not None and not 0.5 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0.5, 1], not {threshold!r}")
@@ -69,7 +69,7 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
             best = (size, book)
     book = best[1]
     if clusters > 1:
-        book = _lloyd(sample, book, clusters, thresholds)
+        book = _lloyd(sample, book, int(clusters), thresholds)
     return _encode_table(rows, dtype, dim, book, progress)
 
 

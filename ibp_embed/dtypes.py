@@ -55,10 +55,12 @@ def as_rows(weights) -> tuple[np.ndarray, torch.dtype, int]:
     if weights.shape[1] == 0:
         raise ValueError("weights must have at least one column")
     t = weights.detach().to("cpu").contiguous()
-    rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+    rows = t.view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size()).numpy()
     return rows, t.dtype, int(t.shape[1])
 
 
 def rows_to_tensor(rows: np.ndarray, dtype: torch.dtype, dim: int) -> torch.Tensor:
     """Inverse of as_rows: reinterpret [n, dim * itemsize] bytes as an [n, dim] tensor."""
+    if rows.size == 0:  # torch cannot view a zero-stride empty tensor as another dtype
+        return torch.empty((rows.shape[0], dim), dtype=dtype)
     return torch.from_numpy(rows).view(dtype).reshape(rows.shape[0], dim)

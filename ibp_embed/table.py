@@ -66,7 +66,7 @@ class TableReads:
         weights = ffi.NULL
         if per_sample_weights is not None:
             w = _as_float_array(per_sample_weights)
-            if w.shape != idx.shape:
+            if _ndim(per_sample_weights) != 1 or w.shape != idx.shape:
                 raise ValueError(f"per_sample_weights has shape {w.shape}, indices {idx.shape}")
             weights = _native.ptr(w, "const float *")
         n_bags = off.size - 1
@@ -229,13 +229,13 @@ def _as_index_array(x, name: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{name} must be integers, got {x.dtype}")
-        return np.ascontiguousarray(x.detach().to("cpu", torch.int64).numpy())
+        return np.asarray(x.detach().to("cpu", torch.int64).numpy(), order="C")  # keeps 0-d
     a = np.asarray(x)
     if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integers, got {a.dtype}")
     if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
         raise IndexError(f"{name} out of range")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return np.asarray(a, dtype=np.int64, order="C")  # ascontiguousarray would make 0-d 1-d
 
 
 def _as_float_array(x) -> np.ndarray:

@@ -1,0 +1,658 @@
+"""Public API: bit-exact round trips, gather, pooled lookups, argument checks, sizes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ibp_embed
+from ibp_embed import reference as ref
+from ibp_embed.table import CompressedTable
+
+WORD_BITS = (16, 32, 64)
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64,
+              torch.float64, torch.uint8, torch.bool, torch.int16, torch.int32)
+LOOKUP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor):
+    """Same dtype, shape and bytes (NaN payloads, signed zeros and all)."""
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def from_bytes(raw: np.ndarray, dtype: torch.dtype, n: int, dim: int) -> torch.Tensor:
+    """uint8 [n, dim * itemsize] -> [n, dim] tensor of dtype (the same bits)."""
+    if n == 0:
+        return torch.empty((0, dim), dtype=dtype)
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(dtype).reshape(n, dim)
+
+
+def to_bytes(w: torch.Tensor) -> np.ndarray:
+    """[n, dim] tensor -> its rows as uint8 [n, dim * itemsize]."""
+    return w.contiguous().view(torch.uint8).reshape(w.shape[0], w.shape[1] * w.element_size()).numpy()
+
+
+def random_bits(n: int, dim: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Uniformly random bit patterns (bool: random 0/1)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, dim * dtype.itemsize), dtype=np.uint8)
+    if dtype == torch.bool:
+        raw &= 1
+    return from_bytes(raw, dtype, n, dim)
+
+
+def structured(n: int, dim: int, dtype: torch.dtype, seed: int = 0, noise_frac: float = 0.3) -> torch.Tensor:
+    """Rows sharing a base pattern, with a fraction of their bits random: many invariant bits."""
+    rng = np.random.default_rng(seed)
+    r = dim * dtype.itemsize
+    base = rng.integers(0, 256, size=r, dtype=np.uint8)
+    noise_mask = (rng.random((r, 8)) < noise_frac) @ (1 << np.arange(8))
+    noise = rng.integers(0, 256, size=(n, r), dtype=np.uint8) & noise_mask.astype(np.uint8)
+    raw = base ^ noise
+    if dtype == torch.bool:
+        raw &= 1
+    return from_bytes(raw, dtype, n, dim)
+
+
+def special_values(dtype: torch.dtype) -> torch.Tensor:
+    """NaNs with several payloads and signs, +-0, +-inf, denormals, extremes, as raw bits."""
+    bits = {
+        torch.float32: (torch.int32, [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0xFFBADBAD,
+                                      0x7FC0FFEE, 0x00000000, 0x80000000, 0x7F800000, 0xFF800000,
+                                      0x00000001, 0x807FFFFF, 0x00400000, 0x7F7FFFFF, 0x3F800000,
+                                      0xBF800000]),
+        torch.float16: (torch.int16, [0x7E00, 0xFE00, 0x7C01, 0x7FFF, 0xFD55, 0x0000, 0x8000,
+                                      0x7C00, 0xFC00, 0x0001, 0x83FF, 0x0200, 0x7BFF, 0x3C00,
+                                      0xBC00, 0x7E01]),
+        torch.bfloat16: (torch.int16, [0x7FC0, 0xFFC0, 0x7F81, 0x7FFF, 0xFFA5, 0x0000, 0x8000,
+                                       0x7F80, 0xFF80, 0x0001, 0x807F, 0x0040, 0x7F7F, 0x3F80,
+                                       0xBF80, 0x7FC1]),
+        torch.float64: (torch.int64, [0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001,
+                                      0x7FFFFFFFFFFFFFFF, 0x7FF8DEADBEEF0000, 0, 0x8000000000000000,
+                                      0x7FF0000000000000, 0xFFF0000000000000, 1, 0x800FFFFFFFFFFFFF,
+                                      0x3FF0000000000000]),
+    }
+    int_dtype, values = bits[dtype]
+    width = torch.iinfo(int_dtype).bits
+    signed = [v - (1 << width) if v >= 1 << (width - 1) else v for v in values]
+    return torch.tensor(signed, dtype=int_dtype).view(dtype)
+
+
+def _nan_count(t: torch.Tensor) -> int:
+    return int(torch.isnan(t.float() if t.dtype != torch.float64 else t).sum())
+
+
+# ---------------------------------------------------------------- round trips
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("word_bits", [None, *WORD_BITS])
+def test_special_float_values_round_trip(dtype, word_bits):
+    specials = special_values(dtype)
+    base = structured(64, 7, dtype, seed=1)
+    # Every row carries all special values, in rotating positions, mixed with normal rows.
+    w = base.clone()
+    for i in range(0, 64, 2):
+        row = torch.roll(torch.cat([specials, specials])[:7], i)
+        w[i] = row
+    assert _nan_count(w) > 0
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    out = t.decompress()
+    assert_bits_equal(out, w)
+    assert_bits_equal(t.gather(torch.arange(63, -1, -1)), w.flip(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_nan_payload_table(dtype):
+    """A table made only of distinct NaN patterns and signed zeros/infs: bits, not values."""
+    specials = special_values(dtype)
+    w = specials.repeat(20, 1)[:, : specials.numel() - 1]
+    w[::3] = torch.roll(w[::3], 1, dims=1)
+    for clusters in (1, 3):
+        t = ibp_embed.compress(w, clusters=clusters)
+        assert_bits_equal(t.decompress(), w)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("word_bits", WORD_BITS)
+def test_round_trip_every_dtype_and_word_size(dtype, word_bits):
+    w = structured(150, 5, dtype, seed=word_bits)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert t.word_bits == word_bits and t.dtype == dtype and t.shape == (150, 5)
+    assert_bits_equal(t.decompress(), w)
+    if dtype.itemsize * 5 >= 8:  # room for the participation header: some rows shrink
+        assert (t.row_lengths() < 5 * dtype.itemsize).any()
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float16, 3), (torch.int8, 1), (torch.int8, 7),
+                                       (torch.bfloat16, 5), (torch.float32, 3), (torch.int16, 11),
+                                       (torch.uint8, 13)])
+@pytest.mark.parametrize("word_bits", WORD_BITS)
+def test_row_not_a_multiple_of_the_word(dtype, dim, word_bits):
+    w = structured(80, dim, dtype, seed=dim)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    out = t.decompress()
+    assert out.shape == (80, dim)
+    assert_bits_equal(out, w)
+    idx = torch.tensor([79, 0, 0, 40, 79])
+    assert_bits_equal(t.gather(idx), w[idx])
+
+
+def test_fp16_dim3_w64_specials():
+    """D=3 fp16 with W=64: 6 bytes of an 8-byte word, and NaN payloads in it."""
+    s = special_values(torch.float16)
+    w = torch.stack([s[i: i + 3] for i in range(s.numel() - 2)] * 4)
+    t = ibp_embed.compress(w, word_bits=64)
+    assert t._masks.shape == (t.clusters, 1)
+    assert_bits_equal(t.decompress(), w)
+
+
+def test_compress_zero_rows_minimal():
+    t = ibp_embed.compress(torch.empty((0, 6)))
+    assert t.shape == (0, 6) and t.decompress().shape == (0, 6)
+
+
+def test_gather_no_indices_minimal():
+    t = ibp_embed.compress(torch.ones(3, 5))
+    assert t.gather([]).shape == (0, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize("word_bits,clusters", [(None, 1), (16, 4), (64, 1)])
+def test_empty_table(dtype, word_bits, clusters):
+    w = torch.empty((0, 6), dtype=dtype)
+    t = ibp_embed.compress(w, word_bits=word_bits, clusters=clusters)
+    assert t.shape == (0, 6) and len(t) == 0
+    assert_bits_equal(t.decompress(), w)
+    assert_bits_equal(t.gather(torch.empty(0, dtype=torch.int64)), w)
+    assert t.raw_nbytes == 0 and t.ratio == 1.0
+    assert t._payload_bytes == 0 and t.nbytes == _expected_nbytes(t)
+    assert t._block_base.tolist() == [0] and t._rel.tolist() == [0]
+    with pytest.raises(IndexError):
+        t.gather([0])
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("word_bits", [None, *WORD_BITS])
+def test_single_row(dtype, word_bits):
+    w = random_bits(1, 9, dtype, seed=3)
+    t = ibp_embed.compress(w, word_bits=word_bits, clusters=3)
+    assert_bits_equal(t.decompress(), w)
+    assert_bits_equal(t.gather([0]), w[[0]])
+    assert_bits_equal(t.gather(torch.zeros(3, dtype=torch.int64)), w[[0, 0, 0]])
+
+
+@pytest.mark.parametrize("index", [0, np.int64(0), np.array(0), torch.tensor(0)])
+def test_gather_scalar_index_gives_one_row(index):
+    """Like w[i]: a scalar index gives a [D] row, not [1, D]."""
+    w = random_bits(3, 5, torch.float32, seed=3)
+    assert_bits_equal(ibp_embed.compress(w).gather(index), w[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_identical_rows_compress_well(dtype):
+    row = random_bits(1, 32, dtype, seed=4)
+    w = row.repeat(300, 1)
+    t = ibp_embed.compress(w)
+    assert_bits_equal(t.decompress(), w)
+    # Every bit invariant: a row is its participation bits only.
+    m = ref.n_words(32 * dtype.itemsize, t.word_bits)
+    assert t.row_lengths().tolist() == [(m + 7) // 8] * 300
+    assert t.ratio > 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+@pytest.mark.parametrize("word_bits", [None, *WORD_BITS])
+def test_incompressible_rows_stored_raw(dtype, word_bits):
+    w = random_bits(64, 16, dtype, seed=5)
+    r = 16 * dtype.itemsize
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert_bits_equal(t.decompress(), w)
+    lengths = t.row_lengths()
+    assert (lengths <= r).all()
+    assert (lengths == r).mean() > 0.5
+    assert t.ratio < 1.0
+    # Raw rows are their original bytes in the payload.
+    starts = t._row_starts()
+    raw_rows = to_bytes(w)
+    for i in np.flatnonzero(lengths == r):
+        assert t._payload[int(starts[i]): int(starts[i]) + r].tobytes() == raw_rows[i].tobytes()
+    assert (t.cluster_ids()[lengths == r] == -1).all()
+
+
+def magnitude_clusters(n=256, dim=16, seed=0, scales=(1e-6, 1e-2, 1e2, 1e6)) -> torch.Tensor:
+    """Rows from four groups of very different magnitudes: four exponent patterns."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor(scales)
+    group = torch.arange(n) % 4
+    return torch.randn(n, dim, generator=g) * scales[group][:, None]
+
+
+@pytest.mark.parametrize("word_bits", [None, *WORD_BITS])
+def test_clusters_help_on_clustered_table(word_bits):
+    w = magnitude_clusters()
+    one = ibp_embed.compress(w, word_bits=word_bits, clusters=1)
+    four = ibp_embed.compress(w, word_bits=word_bits, clusters=4)
+    assert_bits_equal(four.decompress(), w)
+    assert four.nbytes < one.nbytes
+    assert four.clusters > 1
+    ids = four.cluster_ids()
+    assert np.unique(ids[ids >= 0]).size > 1
+    # Each cluster's invariant bits are the exponent bits of its group: rows of a
+    # group mostly share a cluster.
+    group = np.arange(256) % 4
+    for gid in range(4):
+        vals, counts = np.unique(ids[group == gid], return_counts=True)
+        assert counts.max() >= 0.6 * (group == gid).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.int64])
+@pytest.mark.parametrize("clusters", [2, 4, 16, 256])
+def test_more_clusters_never_bigger(dtype, clusters):
+    w = magnitude_clusters(200, 8, seed=clusters).to(dtype) if dtype != torch.int8 else \
+        (magnitude_clusters(200, 8, seed=clusters).clamp(-127, 127)).to(torch.int8)
+    one = ibp_embed.compress(w, clusters=1)
+    many = ibp_embed.compress(w, clusters=clusters)
+    assert many.nbytes <= one.nbytes
+    assert 1 <= many.clusters <= clusters
+    assert_bits_equal(many.decompress(), w)
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.99, 0.9, 0.75, 0.51])
+@pytest.mark.parametrize("word_bits", WORD_BITS)
+def test_fixed_threshold_round_trip(threshold, word_bits):
+    w = structured(120, 6, torch.float32, seed=7, noise_frac=0.4)
+    t = ibp_embed.compress(w, word_bits=word_bits, threshold=threshold)
+    assert_bits_equal(t.decompress(), w)
+
+
+@pytest.mark.parametrize("word_bits", WORD_BITS)
+@pytest.mark.parametrize("dim,dtype", [(5, torch.float16), (6, torch.float32), (3, torch.int8)])
+def test_threshold_one_masks_exactly_the_constant_bits(word_bits, dim, dtype):
+    """With threshold 1.0 and one mask, a bit is invariant iff it is the same in every row
+    (padding bits are constant zero), and bitval holds its value."""
+    w = structured(90, dim, dtype, seed=8, noise_frac=0.3)
+    t = ibp_embed.compress(w, word_bits=word_bits, threshold=1.0)
+    assert t.clusters == 1
+    rows = to_bytes(w)
+    b = word_bits // 8
+    m = ref.n_words(rows.shape[1], word_bits)
+    padded = np.zeros((90, m * b), np.uint8)
+    padded[:, : rows.shape[1]] = rows
+    words = padded.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[b]).astype(np.uint64)
+    all_ones = np.bitwise_and.reduce(words, axis=0)
+    any_ones = np.bitwise_or.reduce(words, axis=0)
+    constant = ~(all_ones ^ any_ones) & np.uint64((1 << word_bits) - 1)
+    assert t.masks[0].tolist() == constant.tolist()
+    assert t.bitvals[0].tolist() == (all_ones & constant).tolist()
+    assert_bits_equal(t.decompress(), w)
+
+
+def test_numpy_input():
+    a = structured(50, 4, torch.float16, seed=9).numpy()
+    t = ibp_embed.compress(a)
+    assert t.dtype == torch.float16
+    assert t.decompress().numpy().tobytes() == a.tobytes()
+    b = np.asfortranarray(structured(50, 4, torch.float32, seed=9).numpy())
+    t = ibp_embed.compress(b)
+    assert t.decompress().numpy().tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def test_non_contiguous_tensor_input():
+    w = structured(40, 10, torch.float32, seed=10)
+    view = w[::2, 1:8]
+    t = ibp_embed.compress(view)
+    assert_bits_equal(t.decompress(), view.contiguous())
+    tt = structured(10, 40, torch.bfloat16, seed=10).t()
+    assert_bits_equal(ibp_embed.compress(tt).decompress(), tt.contiguous())
+
+
+def test_compress_is_deterministic():
+    w = magnitude_clusters(128, 8)
+    a = ibp_embed.compress(w, clusters=4)
+    b = ibp_embed.compress(w, clusters=4)
+    assert a._payload.tobytes() == b._payload.tobytes()
+    assert a.masks.tolist() == b.masks.tolist()
+
+
+# ---------------------------------------------------------------- gather
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (17,), (3, 4), (2, 0, 3), (2, 3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_gather_any_index_shape(shape, dtype):
+    w = structured(70, 5, dtype, seed=11)
+    t = ibp_embed.compress(w, clusters=2)
+    g = torch.Generator().manual_seed(12)
+    idx = torch.randint(0, 70, shape, generator=g)
+    want = w[idx]
+    assert_bits_equal(t.gather(idx), want)
+    assert_bits_equal(t.gather(idx.numpy()), want)
+    assert_bits_equal(t.gather(idx.to(torch.int32)), want)
+    if idx.numel():  # nested lists cannot spell (2, 0, 3)
+        assert_bits_equal(t.gather(idx.tolist()), want)
+
+
+def test_gather_duplicates_and_order():
+    w = structured(300, 7, torch.float16, seed=13)
+    t = ibp_embed.compress(w)
+    rng = np.random.default_rng(14)
+    idx = np.concatenate([rng.integers(0, 300, 1000), np.full(50, 299), np.zeros(50, np.int64)])
+    rng.shuffle(idx)
+    assert_bits_equal(t.gather(idx), w[torch.from_numpy(idx)])
+    assert_bits_equal(t.gather(np.arange(300)[::-1].copy()), w.flip(0))
+    assert_bits_equal(t.gather(np.array([5], dtype=np.uint8)), w[[5]])
+
+
+@pytest.mark.parametrize("bad", [[-1], [300], [0, 5, 1000], [2**40], [-(2**62)]])
+def test_gather_out_of_range(bad):
+    t = ibp_embed.compress(structured(300, 4, torch.float32))
+    with pytest.raises(IndexError):
+        t.gather(bad)
+    with pytest.raises(IndexError):
+        t.gather(torch.tensor(bad))
+    with pytest.raises(IndexError):
+        t.gather(np.array(bad).reshape(1, -1))
+
+
+def test_gather_uint64_too_large():
+    t = ibp_embed.compress(structured(10, 4, torch.float32))
+    with pytest.raises(IndexError):
+        t.gather(np.array([2**63 + 5], dtype=np.uint64))
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([0.0, 1.0]), np.array([1.5]), [0.0],
+                                 torch.tensor([True, False]), np.array([True])])
+def test_gather_non_integer_indices(bad):
+    t = ibp_embed.compress(structured(10, 4, torch.float32))
+    with pytest.raises(TypeError):
+        t.gather(bad)
+
+
+# ---------------------------------------------------------------- hypothesis
+
+_HYP_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64,
+               torch.float64, torch.uint8, torch.int32, torch.bool]
+
+
+@st.composite
+def tables(draw):
+    dtype = draw(st.sampled_from(_HYP_DTYPES))
+    n = draw(st.integers(0, 90))
+    dim = draw(st.integers(1, 13))
+    seed = draw(st.integers(0, 2**32 - 1))
+    noise = draw(st.sampled_from([0.0, 0.05, 0.2, 0.5, 1.0]))
+    rng = np.random.default_rng(seed)
+    r = dim * dtype.itemsize
+    n_bases = draw(st.integers(1, 4))
+    bases = rng.integers(0, 256, size=(n_bases, r), dtype=np.uint8)
+    noise_mask = ((rng.random((r, 8)) < noise) @ (1 << np.arange(8))).astype(np.uint8)
+    raw = bases[rng.integers(0, n_bases, n)] ^ (rng.integers(0, 256, (n, r), dtype=np.uint8) & noise_mask)
+    if n and draw(st.booleans()):  # a few outlier rows of pure noise
+        out = rng.random(n) < 0.1
+        raw[out] = rng.integers(0, 256, (int(out.sum()), r), dtype=np.uint8)
+    if n > 1 and draw(st.booleans()):  # duplicated rows
+        raw[n // 2:] = raw[: n - n // 2]
+    if dtype == torch.bool:
+        raw &= 1
+    w = from_bytes(raw, dtype, n, dim)
+    if dtype.is_floating_point and n and draw(st.booleans()):
+        s = special_values(dtype)
+        pos = rng.integers(0, n * dim, size=min(n * dim, 2 * s.numel()))
+        w.view(-1)[torch.from_numpy(pos)] = s[torch.from_numpy(rng.integers(0, s.numel(), pos.size))]
+    return w
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=tables(), word_bits=st.sampled_from([None, *WORD_BITS]), clusters=st.integers(1, 6),
+       threshold=st.sampled_from([None, None, 1.0, 0.8, 0.6]), data=st.data())
+def test_property_round_trip_and_gather(w, word_bits, clusters, threshold, data):
+    t = ibp_embed.compress(w, word_bits=word_bits, clusters=clusters, threshold=threshold)
+    n, dim = w.shape
+    assert t.shape == (n, dim) and t.dtype == w.dtype and 1 <= t.clusters <= max(1, clusters)
+    if word_bits:
+        assert t.word_bits == word_bits
+    out = t.decompress()
+    assert_bits_equal(out, w)
+    if n:
+        idx = data.draw(st.lists(st.integers(0, n - 1), max_size=40))
+        shape = data.draw(st.sampled_from([(len(idx),), (1, len(idx)), (len(idx), 1)]))
+        it = torch.tensor(idx, dtype=torch.int64).reshape(shape)
+        assert_bits_equal(t.gather(it), out[it])
+    # Sizes are consistent with the stored arrays, and rows never grow past raw.
+    r = dim * w.dtype.itemsize
+    lengths = t.row_lengths()
+    assert (lengths <= r).all() and int(lengths.sum()) == t._payload_bytes
+    assert t.nbytes == _expected_nbytes(t)
+    if threshold is None and clusters > 1:
+        assert t.nbytes <= ibp_embed.compress(w, word_bits=word_bits, clusters=1).nbytes
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=tables(), data=st.data())
+def test_property_matches_reference(w, data):
+    """Small tables: the whole encoding equals the pure-Python reference's."""
+    word_bits = data.draw(st.sampled_from(WORD_BITS))
+    clusters = data.draw(st.integers(1, 4))
+    t = ibp_embed.compress(w[:40], word_bits=word_bits, clusters=clusters)
+    rows = to_bytes(w[:40])
+    want = ref.encode_table(rows, word_bits, t.masks, t.bitvals)
+    assert t._payload[: t._payload_bytes].tobytes() == want["payload"]
+    assert t._rel.tolist() == want["rel"].tolist()
+    assert t._block_base.tolist() == want["block_base"].tolist()
+
+
+# ---------------------------------------------------------------- pooled lookup
+
+def make_bags(n_rows: int, n_bags: int, seed: int, max_bag: int = 6):
+    """TorchRec-style (indices, offsets[B + 1]) with empty bags and duplicates."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, max_bag + 1, n_bags)
+    sizes[::5] = 0  # empty bags
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    indices = rng.integers(0, n_rows, int(offsets[-1])).astype(np.int64)
+    return torch.from_numpy(indices), torch.from_numpy(offsets)
+
+
+def _atol(dec, indices, offsets, weights, mode) -> float:
+    """Rounding error bound of a pooled sum in another order: a few ulps of sum |w x|."""
+    mag = reference_bag(dec.float().abs(), indices, offsets,
+                        None if weights is None else weights.abs(), mode)
+    return 1e-6 * float(mag.max()) + 1e-30 if mag.numel() else 1e-30
+
+
+def reference_bag(dec: torch.Tensor, indices, offsets, weights, mode):
+    weight = dec.float()
+    if weights is None or mode == "sum":
+        return F.embedding_bag(indices, weight, offsets[:-1], mode=mode, per_sample_weights=weights)
+    # torch has no weighted mean: the weighted sum divided by the bag size.
+    s = F.embedding_bag(indices, weight, offsets[:-1], mode="sum", per_sample_weights=weights)
+    sizes = (offsets[1:] - offsets[:-1]).clamp(min=1).float()
+    return s / sizes[:, None]
+
+
+@pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("clusters", [1, 4])
+def test_lookup_matches_embedding_bag(dtype, mode, weighted, clusters):
+    w = magnitude_clusters(120, 12, seed=3, scales=(1e-3, 1e-1, 1e1, 1e3)).to(dtype)
+    t = ibp_embed.compress(w, clusters=clusters)
+    dec = t.decompress()
+    assert_bits_equal(dec, w)
+    indices, offsets = make_bags(120, 40, seed=4)  # 40 bags: the parallel path
+    g = torch.Generator().manual_seed(5)
+    weights = torch.rand(indices.numel(), generator=g) * 2 - 0.5 if weighted else None
+    got = t.lookup(indices, offsets, per_sample_weights=weights, mode=mode)
+    want = reference_bag(dec, indices, offsets, weights, mode)
+    assert got.dtype == torch.float32 and got.shape == (40, 12)
+    empty = (offsets[1:] == offsets[:-1])
+    assert empty.any() and (got[empty] == 0).all()
+    if dtype == torch.float32 and mode == "sum" and not weighted:
+        assert torch.equal(got, want)  # same additions in the same order
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=_atol(dec, indices, offsets, weights, mode))
+
+
+@pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
+def test_lookup_small_batch_and_input_types(dtype):
+    """Fewer bags than the parallel threshold; list / numpy / int32 inputs."""
+    w = torch.randn(30, 8, generator=torch.Generator().manual_seed(6)).to(dtype)
+    t = ibp_embed.compress(w)
+    indices = [3, 3, 29, 0, 7]
+    offsets = [0, 2, 2, 5]
+    want = F.embedding_bag(torch.tensor(indices), t.decompress().float(), torch.tensor(offsets[:-1]),
+                           mode="sum")
+    for idx, off in [(indices, offsets), (np.array(indices), np.array(offsets)),
+                     (torch.tensor(indices, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32))]:
+        torch.testing.assert_close(t.lookup(idx, off), want, rtol=1e-6, atol=1e-30)
+    # One bag, one row: the row itself, widened to fp32.
+    assert torch.equal(t.lookup([7], [0, 1]), t.decompress()[7:8].float())
+    # No bags at all.
+    assert t.lookup(torch.empty(0, dtype=torch.int64), [0]).shape == (0, 8)
+    # Only empty bags.
+    assert torch.equal(t.lookup(np.empty(0, np.int64), [0, 0, 0], mode="mean"), torch.zeros(2, 8))
+
+
+def test_lookup_special_values_propagate():
+    w = torch.ones(4, 3)
+    w[1, 0] = float("inf")
+    w[2, 1] = float("nan")
+    t = ibp_embed.compress(w)
+    got = t.lookup([0, 1, 2, 3], [0, 2, 4])
+    want = F.embedding_bag(torch.tensor([0, 1, 2, 3]), w, torch.tensor([0, 2]), mode="sum")
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(n_rows=st.integers(1, 60), n_bags=st.integers(0, 30), seed=st.integers(0, 10**6),
+       weighted=st.booleans(), clusters=st.integers(1, 3))
+def test_property_lookup(dtype, mode, n_rows, n_bags, seed, weighted, clusters):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n_rows, 6, generator=g) * 10 ** torch.randint(-3, 3, (n_rows, 1), generator=g)).to(dtype)
+    t = ibp_embed.compress(w, clusters=clusters)
+    indices, offsets = make_bags(n_rows, n_bags, seed)
+    weights = torch.randn(indices.numel(), generator=g) if weighted else None
+    got = t.lookup(indices, offsets, weights, mode)
+    want = reference_bag(t.decompress(), indices, offsets, weights, mode)
+    torch.testing.assert_close(got, want, rtol=1e-6,
+                               atol=_atol(t.decompress(), indices, offsets, weights, mode))
+
+
+# ---------------------------------------------------------------- bad lookups
+
+@pytest.fixture(scope="module")
+def table():
+    return ibp_embed.compress(structured(50, 4, torch.float32, seed=20))
+
+
+@pytest.mark.parametrize("indices", [[0, 50], [-1, 0], [0, 2**40], [-(2**63), 0]])
+def test_lookup_out_of_range(table, indices):
+    with pytest.raises(IndexError):
+        table.lookup(indices, [0, 1, 2])
+    with pytest.raises(IndexError):
+        table.lookup(torch.tensor(indices), torch.tensor([0, 2]), mode="mean")
+
+
+@pytest.mark.parametrize("offsets", [[1, 2, 3], [0, 2, 1, 3], [0, 1, 2], [0, 1, 4], [0, 3, 3, 2, 3],
+                                     [], [[0, 3]], [-1, 3]])
+def test_lookup_bad_offsets(table, offsets):
+    with pytest.raises(ValueError):
+        table.lookup([0, 1, 2], offsets)
+
+
+def test_lookup_bad_arguments(table):
+    with pytest.raises(TypeError):
+        table.lookup(torch.tensor([0.0, 1.0]), [0, 2])
+    with pytest.raises(TypeError):
+        table.lookup(np.array([0.5]), [0, 1])
+    with pytest.raises(TypeError):
+        table.lookup([0, 1], torch.tensor([0.0, 2.0]))
+    with pytest.raises(ValueError):
+        table.lookup([0, 1], [0, 2], per_sample_weights=[1.0])
+    with pytest.raises(ValueError):
+        table.lookup([0, 1], [0, 2], per_sample_weights=torch.ones(3))
+    with pytest.raises(ValueError):
+        table.lookup([0, 1], [0, 2], mode="max")
+    with pytest.raises(ValueError):
+        table.lookup([[0, 1]], [0, 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.float64, torch.uint8, torch.bool,
+                                   torch.int32])
+def test_lookup_needs_a_float_table(dtype):
+    t = ibp_embed.compress(random_bits(10, 4, dtype))
+    with pytest.raises(TypeError):
+        t.lookup([0, 1], [0, 2])
+
+
+# ---------------------------------------------------------------- bad compress arguments
+
+@pytest.mark.parametrize("kwargs,exc", [
+    ({"word_bits": 8}, ValueError), ({"word_bits": 128}, ValueError), ({"word_bits": 0}, ValueError),
+    ({"clusters": 0}, ValueError), ({"clusters": 257}, ValueError), ({"clusters": 300}, ValueError),
+    ({"clusters": -1}, ValueError), ({"clusters": 2.0}, ValueError),
+    ({"threshold": 0.4}, ValueError), ({"threshold": 0.5}, ValueError), ({"threshold": 1.5}, ValueError),
+    ({"threshold": 0.0}, ValueError),
+])
+def test_compress_bad_arguments(kwargs, exc):
+    with pytest.raises(exc):
+        ibp_embed.compress(torch.zeros(4, 4), **kwargs)
+
+
+@pytest.mark.parametrize("weights,exc", [
+    (torch.zeros(2, 3, 4), ValueError), (torch.zeros(5), ValueError), (torch.tensor(1.0), ValueError),
+    (np.zeros((2, 2, 2), np.float32), ValueError), (torch.zeros(3, 0), ValueError),
+    (torch.zeros(3, 4, dtype=torch.complex64), TypeError), (np.zeros((3, 4), np.complex128), TypeError),
+    ([[1.0, 2.0]], TypeError), (np.array([["a"]]), TypeError),
+])
+def test_compress_bad_weights(weights, exc):
+    with pytest.raises(exc):
+        ibp_embed.compress(weights)
+
+
+# ---------------------------------------------------------------- sizes
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 16), (torch.float16, 3), (torch.int64, 2),
+                                       (torch.bfloat16, 600)])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("clusters", [1, 4])
+def test_sizes_consistent(dtype, dim, n, clusters):
+    w = magnitude_clusters(n, dim, seed=n).to(dtype)
+    t = ibp_embed.compress(w, clusters=clusters)
+    r = dim * dtype.itemsize
+    m = ref.n_words(r, t.word_bits)
+    assert t.raw_nbytes == n * r == w.numel() * w.element_size()
+    assert t._block_base.dtype == np.uint64 and t._block_base.shape == (n // 64 + 1,)
+    assert t._rel.dtype == ref.rel_dtype(r) and t._rel.shape == (n + 1,)
+    assert t._payload.shape == (t._payload_bytes + ref.tail_pad(r, t.word_bits),)
+    assert t.masks.shape == t.bitvals.shape == (t.clusters, m)
+    assert t.nbytes == _expected_nbytes(t)
+    assert int(t.row_lengths().sum()) == t._payload_bytes
+    assert t.ratio == pytest.approx(t.raw_nbytes / t.nbytes)
+    assert_bits_equal(t.decompress(), w)
+
+
+def _expected_nbytes(t: CompressedTable) -> int:
+    """nbytes as docs/format.md "Size" defines it, from the shape and stored lengths."""
+    n, dim = t.shape
+    r = dim * t.dtype.itemsize
+    b = t.word_bits // 8
+    m = ref.n_words(r, t.word_bits)
+    rel = np.dtype(ref.rel_dtype(r)).itemsize
+    return (int(t.row_lengths().sum()) + ref.tail_pad(r, t.word_bits) + 8 * (n // 64 + 1)
+            + rel * (n + 1) + 2 * t.clusters * m * b)
+
+
+def test_masks_are_read_only(table):
+    with pytest.raises(ValueError):
+        table.masks[0, 0] = 1
+    with pytest.raises(ValueError):
+        table.bitvals[0, 0] = 1
+    assert "CompressedTable" in repr(table)
