@@ -11,7 +11,7 @@ import torch
 # Pooled lookup support: torch dtype -> IBP_DTYPE_* code in native/ibp.h.
 LOOKUP_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-_NUMPY_TO_TORCH = {
+NUMPY_TO_TORCH = {
     np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32,
     np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64,
     np.dtype(np.int32): torch.int32, np.dtype(np.int16): torch.int16,
@@ -44,7 +44,7 @@ def as_rows(weights) -> tuple[np.ndarray, torch.dtype, int]:
     No copy is made when the input is already contiguous on the CPU.
     """
     if isinstance(weights, np.ndarray):
-        if weights.dtype not in _NUMPY_TO_TORCH:
+        if weights.dtype not in NUMPY_TO_TORCH:
             raise TypeError(f"NumPy dtype {weights.dtype} is not supported")
         weights = torch.from_numpy(np.ascontiguousarray(weights))
     if not isinstance(weights, torch.Tensor):

@@ -113,62 +113,101 @@ def save(table: CompressedTable, path) -> None:
 
 
 def read_header(path) -> dict:
-    """The JSON header of an .ibp file, after checking magic, version and checksum."""
+    """The JSON header of an .ibp file, after checking magic, version, checksum and that
+    the section table fits the table it describes and the file (see docs/format.md).
+
+    The returned dict also holds "file_size". Raises FormatError for anything else.
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(_PREFIX.size)
-            if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
+            if not prefix:
+                raise FormatError(f"{path}: empty file, not an .ibp file")
+            if prefix[:8] != MAGIC[: len(prefix)]:
                 raise FormatError(f"{path}: not an .ibp file (bad magic)")
-            _, version, header_len, header_crc, _ = _PREFIX.unpack(prefix)
+            if len(prefix) < _PREFIX.size:
+                raise FormatError(f"{path}: truncated: {len(prefix)} bytes, shorter than the "
+                                  f"{_PREFIX.size}-byte file prefix")
+            _, version, header_len, header_crc, reserved = _PREFIX.unpack(prefix)
             if version != _native.FORMAT_VERSION:
                 raise FormatError(f"{path}: format version {version}; this ibp_embed reads version "
                                   f"{_native.FORMAT_VERSION}")
-            if header_len > _MAX_HEADER or _PREFIX.size + header_len > size:
-                raise FormatError(f"{path}: truncated or corrupt header ({header_len} bytes declared)")
+            if reserved != 0:
+                raise FormatError(f"{path}: the reserved prefix field is {reserved:#x}, not 0 "
+                                  f"(corrupt file)")
+            if header_len > _MAX_HEADER:
+                raise FormatError(f"{path}: corrupt prefix: a {header_len}-byte header")
+            if _PREFIX.size + header_len > size:
+                raise FormatError(f"{path}: truncated: the {header_len}-byte header ends at byte "
+                                  f"{_PREFIX.size + header_len}, the file has {size}")
             body = f.read(header_len)
+    except FileNotFoundError:
+        raise
     except OSError as e:
         raise FormatError(f"{path}: cannot read: {e}") from None
     if crc32c(body) != header_crc:
         raise FormatError(f"{path}: header checksum mismatch (corrupt file)")
     try:
         header = json.loads(body)
-        _check_header(header, size)
-    except (ValueError, KeyError, TypeError) as e:
-        if isinstance(e, FormatError):
-            raise FormatError(f"{path}: {e}") from None
-        raise FormatError(f"{path}: malformed header: {e}") from None
+        _check_header(header, size, _PREFIX.size + header_len)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
+        raise FormatError(f"{path}: malformed header: {type(e).__name__}: {e}") from None
     header["file_size"] = size
     return header
 
 
-def _check_header(h: dict, file_size: int) -> None:
+def _int(value, what: str) -> int:
+    """A JSON integer (not a bool, float or string)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise FormatError(f"malformed header: {what} is {value!r}, not an integer")
+    return value
+
+
+def _check_header(h: dict, file_size: int, header_end: int) -> None:
+    if not isinstance(h, dict):
+        raise FormatError(f"malformed header: a JSON {type(h).__name__}, not an object")
     if h.get("format") != "ibp_embed table":
         raise FormatError("not an ibp_embed table")
-    n, d = (int(x) for x in h["shape"])
+    shape = h["shape"]
+    if not isinstance(shape, list) or len(shape) != 2:
+        raise FormatError(f"malformed header: shape {shape!r} is not [rows, dim]")
+    n, d = (_int(x, "shape") for x in shape)
+    if not isinstance(h["dtype"], str):
+        raise FormatError(f"malformed header: dtype {h['dtype']!r}")
     dtype = dtype_from_name(h["dtype"])
-    w, k = int(h["word_bits"]), int(h["clusters"])
-    if n < 0 or d < 1 or w not in (16, 32, 64) or not 1 <= k <= 256:
+    w, k = _int(h["word_bits"], "word_bits"), _int(h["clusters"], "clusters")
+    if n < 0 or n >= 1 << 62 or d < 1 or w not in (16, 32, 64) or not 1 <= k <= 256:
         raise FormatError(f"bad table description: shape {h['shape']}, word_bits {w}, clusters {k}")
     row_bytes = d * dtype.itemsize
-    rel_bytes = lib.ibp_rel_bytes(row_bytes)
+    rel_bytes = lib.ibp_rel_bytes(row_bytes) if row_bytes < 1 << 32 else 0
+    if rel_bytes == 0:
+        raise FormatError(f"bad table description: rows of {row_bytes} bytes are too large")
     m = -(-row_bytes // (w // 8))
-    pb = int(h["payload_bytes"])
+    pb = _int(h["payload_bytes"], "payload_bytes")
+    if pb < 0 or pb > n * row_bytes:
+        raise FormatError(f"bad table description: {pb} payload bytes for {n} rows of {row_bytes}")
     expect = {
         "masks": k * m * w // 8, "bitvals": k * m * w // 8, "block_base": 8 * (n // 64 + 1),
         "rel": rel_bytes * (n + 1), "payload": pb + lib.ibp_tail_pad(row_bytes, w),
     }
-    secs = {s["name"]: s for s in h["sections"]}
-    if set(secs) != set(_SECTIONS) or rel_bytes == 0 or pb < 0:
-        raise FormatError("bad section table")
-    for name in _SECTIONS:
-        s = secs[name]
-        off, length = int(s["offset"]), int(s["length"])
+    sections = h["sections"]
+    if not isinstance(sections, list) or not all(isinstance(s, dict) for s in sections) \
+            or [s.get("name") for s in sections] != list(_SECTIONS):
+        raise FormatError("bad section table: expected the sections " + ", ".join(_SECTIONS))
+    end = header_end  # sections follow the header and each other, in order, without overlap
+    for s in sections:
+        name = s["name"]
+        off, length = _int(s["offset"], f"{name} offset"), _int(s["length"], f"{name} length")
+        crc = _int(s["crc32c"], f"{name} crc32c")
         if length != expect[name]:
             raise FormatError(f"section {name} is {length} bytes, the table needs {expect[name]}")
-        if off % _ALIGN or off < _PREFIX.size:
-            raise FormatError(f"section {name} at a bad offset {off}")
+        if off % _ALIGN or off < end or not 0 <= crc < 1 << 32:
+            raise FormatError(f"section {name} at a bad offset {off} or with a bad checksum")
+        end = off + length
         if off + length > file_size:
             raise FormatError(f"truncated: section {name} ends at byte {off + length}, "
                               f"the file has {file_size}")
@@ -177,8 +216,12 @@ def _check_header(h: dict, file_size: int) -> None:
 def load(path, mmap: bool = True, verify: bool = True) -> CompressedTable:
     """Open an .ibp file. mmap=True maps it read-only instead of reading it into memory.
 
-    verify=True checks every section's CRC-32C (one pass over the file); the offsets
-    index is always checked, so corrupt data raises FormatError rather than crashing.
+    The header, the masks and the offsets index are always checked against their
+    CRC-32C and for consistency, so corrupt metadata raises FormatError instead of
+    crashing or decoding wrongly. verify=True also checks the payload's checksum (one
+    pass over the file); with verify=False a corrupt payload is caught only where its
+    structure breaks (FormatError when a row is decoded) and may otherwise decode to
+    wrong values.
     """
     path = Path(path)
     h = read_header(path)
@@ -189,20 +232,23 @@ def load(path, mmap: bool = True, verify: bool = True) -> CompressedTable:
     if data.size != h["file_size"]:
         raise FormatError(f"{path}: the file changed while it was opened")
     dtype = dtype_from_name(h["dtype"])
-    n, d = (int(x) for x in h["shape"])
-    w = int(h["word_bits"])
+    n, d = h["shape"]
+    w = h["word_bits"]
     rel_dtype = np.uint16 if lib.ibp_rel_bytes(d * dtype.itemsize) == 2 else np.uint32
     views = {}
     for s in h["sections"]:
         raw = data[s["offset"]: s["offset"] + s["length"]]
-        if verify and crc32c(raw) != s["crc32c"]:
+        if (verify or s["name"] != "payload") and crc32c(raw) != s["crc32c"]:
             raise FormatError(f"{path}: section {s['name']} checksum mismatch (corrupt file)")
         views[s["name"]] = raw
-    k = int(h["clusters"])
+    k = h["clusters"]
     wd = _word_dtype(w)
-    return CompressedTable(
-        shape=(n, d), dtype=dtype, word_bits=w,
-        masks=views["masks"].view(wd).reshape(k, -1).astype(np.uint64),
-        bitvals=views["bitvals"].view(wd).reshape(k, -1).astype(np.uint64),
-        block_base=views["block_base"].view(np.uint64), rel=views["rel"].view(rel_dtype),
-        payload=views["payload"], payload_bytes=int(h["payload_bytes"]), validate=True)
+    try:
+        return CompressedTable(
+            shape=(n, d), dtype=dtype, word_bits=w,
+            masks=views["masks"].view(wd).reshape(k, -1).astype(np.uint64),
+            bitvals=views["bitvals"].view(wd).reshape(k, -1).astype(np.uint64),
+            block_base=views["block_base"].view(np.uint64), rel=views["rel"].view(rel_dtype),
+            payload=views["payload"], payload_bytes=h["payload_bytes"], validate=True)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
