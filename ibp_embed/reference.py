@@ -82,7 +82,7 @@ def rel_dtype(row_bytes: int):
 def tail_pad(row_bytes: int, word_bits: int) -> int:
     """Zero bytes after the payload ("Payload and offsets index")."""
     b = word_bits // 8
-    return -(-row_bytes // b) * b + -(-row_bytes // 8) + 17
+    return -(-row_bytes // b) * b + -(-row_bytes // 8) + 136
 
 
 def encode_table(rows: np.ndarray, word_bits: int, masks, bitvals) -> dict:

@@ -9,7 +9,6 @@
 #include "ibp_internal.h"
 
 static int g_threads = 0; /* 0: OpenMP's default */
-static const ibp_kernels *g_kernels = NULL;
 
 int ibp_abi_version(void) { return IBP_ABI_VERSION; }
 int ibp_format_version(void) { return IBP_FORMAT_VERSION; }
@@ -30,41 +29,57 @@ void ibp_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
 int ibp_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 int ibp_get_num_threads(void) { return ibp_threads(); }
 
-static int cpu_has_v3(void)
+static int cpu_has(int isa)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    return __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-           __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("lzcnt") ? 1 : 0;
-#else
-    return 0;
+    int v3 = __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("avx2") &&
+             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+             __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("lzcnt");
+    if (isa == IBP_ISA_V3)
+        return v3;
+    if (isa == IBP_ISA_AVX512)
+        return v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vpopcntdq");
 #endif
+    return isa == IBP_ISA_GENERIC;
 }
+
+static const ibp_kernels *const isa_kernels[] = {
+    &ibp_kernels_generic, &ibp_kernels_v3, &ibp_kernels_avx512,
+};
+static int g_isa = -1;
 
 static const ibp_kernels *kernels(void)
 {
-    if (!g_kernels)
-        g_kernels = cpu_has_v3() ? &ibp_kernels_v3 : &ibp_kernels_generic;
-    return g_kernels;
+    if (g_isa < 0)
+        g_isa = cpu_has(IBP_ISA_AVX512) ? IBP_ISA_AVX512
+              : cpu_has(IBP_ISA_V3)     ? IBP_ISA_V3
+                                        : IBP_ISA_GENERIC;
+    return isa_kernels[g_isa];
 }
 
-int ibp_bmi2_active(void) { return kernels() == &ibp_kernels_v3; }
-
-int ibp_use_bmi2(int enable)
+int ibp_isa(void)
 {
-    if (enable && !cpu_has_v3())
+    kernels();
+    return g_isa;
+}
+
+int ibp_set_isa(int isa)
+{
+    if (isa < IBP_ISA_GENERIC || isa > IBP_ISA_AVX512 || !cpu_has(isa))
         return IBP_E_ARG;
-    g_kernels = enable ? &ibp_kernels_v3 : &ibp_kernels_generic;
+    g_isa = isa;
     return IBP_OK;
 }
 
 uint64_t ibp_tail_pad(uint32_t row_bytes, uint32_t word_bits)
 {
     /* A corrupt header can make a decoder read a whole row's worth of words
-     * from any row start, plus the 9-byte reads of the bit reader. */
+     * from any row start, plus the 128-byte window of the AVX-512 bit reader. */
     uint32_t B = word_bits / 8 ? word_bits / 8 : 1;
-    return (uint64_t)(row_bytes + B - 1) / B * B + (row_bytes + 7) / 8 + 17;
+    return (uint64_t)(row_bytes + B - 1) / B * B + (row_bytes + 7) / 8 + 136;
 }
 
 uint32_t ibp_rel_bytes(uint32_t row_bytes)

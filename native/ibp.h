@@ -71,9 +71,13 @@ const char *ibp_error_string(int code);
 /* Threads used by the parallel loops (default: all cores OpenMP sees). */
 void ibp_set_num_threads(int n);
 int ibp_get_num_threads(void);
-/* 1 if the BMI2 pext/pdep path is in use. ibp_use_bmi2(0) forces the portable path. */
-int ibp_bmi2_active(void);
-int ibp_use_bmi2(int enable);
+/* Row-kernel instruction sets, best first chosen at load time. */
+#define IBP_ISA_GENERIC 0 /* portable C: extract/deposit by bit loops */
+#define IBP_ISA_V3 1      /* x86-64-v3: BMI2 pext/pdep */
+#define IBP_ISA_AVX512 2  /* AVX-512 (VBMI, VPOPCNTDQ): 8 words per step for W = 64 */
+int ibp_isa(void);
+/* Force a kernel set (tests, benchmarks); IBP_E_ARG if this CPU lacks it. */
+int ibp_set_isa(int isa);
 
 /* Bytes that must be readable past the payload's end (decoders over-read). */
 uint64_t ibp_tail_pad(uint32_t row_bytes, uint32_t word_bits);

@@ -20,6 +20,7 @@ typedef struct ibp_kernels {
 
 extern const ibp_kernels ibp_kernels_generic;
 extern const ibp_kernels ibp_kernels_v3; /* x86-64-v3: BMI2 pext/pdep, AVX2, FMA, F16C */
+extern const ibp_kernels ibp_kernels_avx512;
 
 int ibp_threads(void);
 

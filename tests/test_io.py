@@ -767,9 +767,9 @@ _GUARD_SCRIPT = textwrap.dedent(r"""
     tables.append(ibp_embed.compress(x[:70].to(torch.bfloat16)[:, :5].contiguous(), word_bits=64))
     tables.append(ibp_embed.compress((x[:80] * 100).to(torch.int8), word_bits=16))
     total = 0
-    kernels = [0, 1] if lib.ibp_bmi2_active() else [0]
-    for bmi2 in kernels:
-        assert lib.ibp_use_bmi2(bmi2) == 0
+    kernels = [isa for isa in (0, 1, 2) if isa <= lib.ibp_isa()]
+    for isa in kernels:
+        assert lib.ibp_set_isa(isa) == 0
         for t in tables:
             payload = np.asarray(t._payload).copy()
             g = guarded(payload.size); g[:] = payload

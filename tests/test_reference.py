@@ -24,35 +24,33 @@ from ibp_embed.table import CompressedTable
 WORD_BITS = (16, 32, 64)
 
 
-def _bmi2_available() -> bool:
-    before = lib.ibp_bmi2_active()
-    ok = lib.ibp_use_bmi2(1) == 0
-    lib.ibp_use_bmi2(before)
+ISAS = {"portable": lib.IBP_ISA_GENERIC, "bmi2": lib.IBP_ISA_V3, "avx512": lib.IBP_ISA_AVX512}
+
+
+def _isa_available(isa: int) -> bool:
+    before = lib.ibp_isa()
+    ok = lib.ibp_set_isa(isa) == 0
+    lib.ibp_set_isa(before)
     return ok
 
 
-HAVE_BMI2 = _bmi2_available()
-PATHS = ("portable", "bmi2") if HAVE_BMI2 else ("portable",)
+PATHS = tuple(name for name, isa in ISAS.items() if _isa_available(isa))
 
 
 @contextlib.contextmanager
 def kernel_path(name: str):
-    """Force one row-kernel path, restoring the previous one afterwards."""
-    before = lib.ibp_bmi2_active()
+    """Force one row-kernel instruction set, restoring the previous one afterwards."""
+    before = lib.ibp_isa()
     try:
-        if name == "bmi2":
-            if lib.ibp_use_bmi2(1) != 0:
-                pytest.skip("this CPU has no BMI2")
-            assert lib.ibp_bmi2_active() == 1
-        else:
-            assert lib.ibp_use_bmi2(0) == 0
-            assert lib.ibp_bmi2_active() == 0
+        if lib.ibp_set_isa(ISAS[name]) != 0:
+            pytest.skip(f"this CPU cannot run the {name} kernels")
+        assert lib.ibp_isa() == ISAS[name]
         yield
     finally:
-        lib.ibp_use_bmi2(before)
+        lib.ibp_set_isa(before)
 
 
-@pytest.fixture(params=["portable", "bmi2"])
+@pytest.fixture(params=list(ISAS))
 def kernel(request):
     with kernel_path(request.param):
         yield request.param
@@ -327,6 +325,17 @@ def test_property_random_codebooks(n, r, w, k, seed, p_word, p_random):
     masks, bitvals = random_codebook(rng, k, r, w)
     rows = rows_for(rng, n, r, w, masks, bitvals, p_word=p_word, p_random=p_random)
     check_against_reference(rows, w, masks, bitvals)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 12), r=st.integers(56, 300), k=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1), p_word=st.floats(0.0, 1.0))
+def test_property_long_rows(n, r, k, seed, p_word):
+    """Rows of 7+ words of 64 bits: the AVX-512 decoder's 8-word steps, then its scalar tail."""
+    rng = random.Random(seed)
+    masks, bitvals = random_codebook(rng, k, r, 64)
+    rows = rows_for(rng, n, r, 64, masks, bitvals, p_word=p_word, p_random=0.1)
+    check_against_reference(rows, 64, masks, bitvals)
 
 
 # ---------------------------------------------------------------- validity
