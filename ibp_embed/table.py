@@ -208,6 +208,20 @@ class CompressedTable(TableReads):
     def __len__(self) -> int:
         return self._shape[0]
 
+    def to(self, device, placement: str = "host"):
+        """This table on `device`: itself for "cpu"; for a CUDA device an
+        ibp_embed.cuda.CudaTable (rows decoded on the GPU; placement="host" keeps the
+        payload in pinned host memory read over PCIe, "device" copies it to GPU memory).
+        Raises ibp_embed.cuda.NoCudaDeviceError ("no CUDA device: ...") when there is none."""
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            return self
+        if dev.type == "cuda":
+            from .cuda import CudaTable
+
+            return CudaTable(self, dev, placement=placement)
+        raise ValueError(f"a CompressedTable can be placed on the CPU or a CUDA device, not {dev}")
+
     def save(self, path) -> None:
         """Write the table to an .ibp file atomically (see :func:`ibp_embed.load`)."""
         from .io import save

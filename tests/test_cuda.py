@@ -1,0 +1,541 @@
+"""The CUDA path (native/cuda, ibp_embed.cuda).
+
+Without a GPU: the CUDA sources compile warning-free with the Makefile's nvcc
+flags, ptxas reports no local-memory spills in the kernels, the library loads
+and reports "no CUDA device", and the kernels' per-lane decoding and pooling
+code, run lane by lane on the host (ibp_cuda_emulate_*), matches libibp.
+With a GPU (marked `gpu`): CudaTable against the CPU path, bit for bit for
+gathers and within 1e-6 relative for pooling, and the row cache on the device.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ibp_embed
+from ibp_embed import cuda
+from ibp_embed.errors import FormatError
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_DIR = ROOT / "native" / "cuda"
+DEFAULT_LIB = ROOT / "native" / "build" / "libibp_cuda.so"
+NVCC = shutil.which("nvcc")
+# Kernels whose spill counts must be zero (all of ours; CUB's are not checked).
+HOT_KERNELS = ("ibp_gather_rows_kernel", "ibp_lookup_fused_kernel", "ibp_pool_kernel",
+               "ibp_dedup_keys_kernel", "ibp_dedup_heads_kernel", "ibp_dedup_scatter_kernel")
+ARCHS = ("sm_80", "sm_90")
+
+
+def _makefile_nvccflags() -> list[str]:
+    """NVCCFLAGS as the Makefile sets them, so the test builds what `make cuda` builds."""
+    text = (ROOT / "Makefile").read_text()
+    m = re.search(r"^NVCCFLAGS\s*:=\s*((?:[^\n]*\\\n)*[^\n]*)", text, re.M)
+    assert m, "the Makefile has no NVCCFLAGS"
+    return m.group(1).replace("\\\n", " ").split()
+
+
+@dataclass
+class Build:
+    returncode: int
+    log: str
+    path: Path
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def cuda_build(tmp_path_factory) -> Build:
+    """One nvcc build of all native/cuda/*.cu with -Xptxas -v, shared by the tests."""
+    if not NVCC:
+        pytest.skip("nvcc is not on PATH: the CUDA sources cannot be compiled here")
+    sources = sorted(str(p) for p in CUDA_DIR.glob("*.cu"))
+    assert sources, "no CUDA sources in native/cuda"
+    out = tmp_path_factory.mktemp("cuda") / "libibp_cuda.so"
+    cmd = [NVCC, *_makefile_nvccflags(), "-Xptxas", "-v", f"-I{ROOT / 'native'}", *sources,
+           "-o", str(out)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    return Build(proc.returncode, proc.stdout + proc.stderr, out, time.time() - t0)
+
+
+def _fresh(lib: Path) -> bool:
+    if not lib.exists():
+        return False
+    newest = max(p.stat().st_mtime for p in [*CUDA_DIR.iterdir(), ROOT / "native" / "ibp_bits.h",
+                                             ROOT / "native" / "ibp.h"])
+    return lib.stat().st_mtime >= newest
+
+
+@pytest.fixture(scope="session")
+def cuda_lib(request):
+    """libibp_cuda loaded: $IBP_CUDA_LIBRARY, an up-to-date `make cuda` build, or the test build."""
+    if os.environ.get("IBP_CUDA_LIBRARY"):
+        path = Path(os.environ["IBP_CUDA_LIBRARY"])
+    elif _fresh(DEFAULT_LIB):
+        path = DEFAULT_LIB
+    else:
+        build = request.getfixturevalue("cuda_build")
+        if build.returncode:
+            pytest.fail(f"the CUDA library does not build:\n{build.log[-3000:]}")
+        path = build.path
+    return cuda.load_library(path)
+
+
+# ---- tables ----
+
+def _mixed(n, dim, dtype, seed=0):
+    """Two populations (so several clusters pay) and every 7th row incompressible (raw)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, dim, generator=g) * 0.01
+    w[n // 2:] = torch.randn(n - n // 2, dim, generator=g) * 30
+    k = len(range(0, n, 7))
+    e = 4 if dtype == torch.float16 else 20  # finite in the dtype
+    w[::7] = (torch.rand(k, dim, generator=g) - 0.5) * \
+        10.0 ** torch.randint(-e, e, (k, dim), generator=g).float()
+    w = w.to(dtype)
+    assert torch.isfinite(w).all()
+    return w
+
+
+def _smooth(n, dim, dtype, seed=0):
+    """Nearly constant rows in [1.5, 1.501): encoded even when a row is a few bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return (1.5 + torch.rand(n, dim, generator=g) * 1e-3).to(dtype)
+
+
+CASES = [  # (name, weights, compress kwargs)
+    ("f32-d128-w32-k4", lambda: _mixed(400, 128, torch.float32), dict(word_bits=32, clusters=4)),
+    ("f32-d128-w16", lambda: _mixed(300, 128, torch.float32), dict(word_bits=16, clusters=4)),
+    ("f32-d40-w64", lambda: _mixed(300, 40, torch.float32, 1), dict(word_bits=64, clusters=4)),
+    ("f16-d41-w64", lambda: _mixed(300, 41, torch.float16, 2), dict(word_bits=64, clusters=4)),
+    ("f16-d3-w32", lambda: _smooth(200, 3, torch.float16), dict(word_bits=32)),
+    ("bf16-d16-w16", lambda: _mixed(300, 16, torch.bfloat16, 3), dict(word_bits=16, clusters=2)),
+    ("bf16-d1-w64", lambda: _smooth(200, 1, torch.bfloat16), dict(word_bits=64)),
+    ("f32-d1-w32", lambda: _smooth(200, 1, torch.float32), dict(word_bits=32)),
+    ("i8-d7-w32", lambda: torch.randint(0, 4, (300, 7), dtype=torch.int8,
+                                         generator=torch.Generator().manual_seed(4)), dict(word_bits=32)),
+    ("f64-d5-w64", lambda: _smooth(200, 5, torch.float64), dict(word_bits=64)),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def case(request):
+    name, make, kw = request.param
+    w = make()
+    return name, w, ibp_embed.compress(w, **kw)
+
+
+def _batch(n_rows, n_idx, n_bags, seed):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n_rows, n_idx)
+    idx[: n_idx // 4] = idx[n_idx // 4: n_idx // 2]  # duplicates
+    off = np.sort(rng.integers(0, n_idx + 1, n_bags + 1))
+    off[0], off[-1] = 0, n_idx
+    off[n_bags // 2] = off[n_bags // 2 + 1]  # an empty bag (unless it already is)
+    w = rng.standard_normal(n_idx).astype(np.float32)
+    return idx, off, w
+
+
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+def _assert_pooled_close(got, ref, w, idx, off, weights, mode):
+    """got within 1e-6 relative of ref, relative to the pooled terms' magnitude.
+
+    Sums in another order, or with fused multiply-adds, differ from libibp's by
+    rounding errors that scale with sum |w x|, not with the (possibly cancelled)
+    result, so the tolerance of element (b, d) is 1e-6 * (|ref| + sum_p |w_p x_pd|).
+    """
+    got = got.cpu()
+    x = np.abs(w.double().numpy())[np.asarray(idx)]
+    if weights is not None:
+        x = x * np.abs(np.asarray(weights, np.float64))[:, None]
+    off = np.asarray(off)
+    bound = np.zeros((off.size - 1, w.shape[1]))
+    full = off[1:] > off[:-1]
+    if full.any():
+        bound[full] = np.add.reduceat(x, off[:-1][full], axis=0)
+    if mode == "mean":
+        bound /= np.maximum(off[1:] - off[:-1], 1)[:, None]
+    tol = 1e-6 * (ref.abs().double() + torch.from_numpy(bound)) + 1e-30
+    err = (got.double() - ref.double()).abs()
+    assert got.shape == ref.shape and bool((err <= tol).all()), \
+        f"max error {float(err.max()):.3g}, max error / tolerance {float((err / tol).max()):.3g}"
+
+
+# ---- (a), (b): the sources compile, without warnings or spills ----
+
+def test_cuda_sources_compile_without_warnings(cuda_build):
+    assert cuda_build.returncode == 0, f"nvcc failed:\n{cuda_build.log[-4000:]}"
+    warnings = [line for line in cuda_build.log.splitlines() if re.search(r"warning", line, re.I)]
+    assert not warnings, "nvcc/ptxas warnings:\n" + "\n".join(warnings[:20])
+    assert cuda_build.path.stat().st_size > 0
+
+
+def _ptxas_report(log: str) -> dict:
+    """{(kernel, arch): (registers, stack bytes, spill stores, spill loads)} from `ptxas -v`."""
+    out, cur, frame = {}, None, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)' for '(sm_\d+)'", line)
+        if m:
+            cur, frame = (m.group(1), m.group(2)), None
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and cur:
+            frame = tuple(int(g) for g in m.groups())
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and cur and frame is not None:
+            out[cur] = (int(m.group(1)), *frame)
+            cur = None
+    return out
+
+
+def test_ptxas_reports_no_spills_in_the_kernels(cuda_build):
+    assert cuda_build.returncode == 0, "nvcc failed (see the compile test)"
+    report = _ptxas_report(cuda_build.log)
+    ours = {k: v for k, v in report.items() if any(h in k[0] for h in HOT_KERNELS)}
+    for hot in HOT_KERNELS:
+        for arch in ARCHS:
+            assert any(hot in k and a == arch for k, a in ours), f"ptxas reported no {hot} for {arch}"
+    spilling = {f"{k[0]} ({k[1]})": v for k, v in ours.items() if v[2] or v[3]}
+    assert not spilling, f"kernels with local-memory spills (regs, stack, stores, loads): {spilling}"
+    # The row kernels are bounded to 64 registers (4 blocks of 256 threads an SM).
+    for (name, arch), (regs, *_rest) in ours.items():
+        if "gather_rows" in name or "fused" in name:
+            assert regs <= 64, f"{name} ({arch}) uses {regs} registers"
+
+
+# ---- (c): the library without a GPU ----
+
+def test_cffi_block_parses():
+    assert "ibp_cuda_lookup" in cuda._cdef()
+    assert cuda.ffi.sizeof("ibp_cuda_info") > 0
+    assert cuda.ffi.sizeof("ibp_table") == ibp_embed._native.ffi.sizeof("ibp_table")
+
+
+def test_library_loads_and_reports(cuda_lib):
+    assert cuda_lib.ibp_cuda_abi_version() == cuda.ABI_VERSION
+    assert cuda_lib.ibp_cuda_format_version() == ibp_embed._native.FORMAT_VERSION
+    msg = cuda.ffi.string(cuda_lib.ibp_cuda_error_string(cuda_lib.IBP_CUDA_E_NO_DEVICE)).decode()
+    assert msg == "no CUDA device"
+    assert cuda_lib.ibp_cuda_table_destroy(cuda.ffi.NULL) == 0
+    assert cuda_lib.ibp_cuda_gather(cuda.ffi.NULL, cuda.ffi.NULL, 0, cuda.ffi.NULL, cuda.ffi.NULL, 0) \
+        == cuda_lib.IBP_CUDA_E_ARG
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_no_device_is_reported_by_the_library(cuda_lib):
+    n = cuda.ffi.new("int *")
+    rc = cuda_lib.ibp_cuda_device_count(n)
+    if rc == 0:
+        pytest.skip("the CUDA runtime sees a device that torch cannot use")
+    assert rc == cuda_lib.IBP_CUDA_E_NO_DEVICE and n[0] == 0
+    assert cuda._message(cuda_lib).startswith("no CUDA device: ")
+    assert cuda.device_count() == 0
+    t = ibp_embed.compress(_mixed(100, 16, torch.float32))
+    out = cuda.ffi.new("ibp_cuda_table **")
+    assert cuda_lib.ibp_cuda_table_create(t._c, 0, 0, out) == cuda_lib.IBP_CUDA_E_NO_DEVICE
+    assert out[0] == cuda.ffi.NULL
+    buf = np.zeros(4096, np.uint8)
+    dp = cuda.ffi.new("void **")
+    assert cuda_lib.ibp_cuda_host_register(cuda.ffi.cast("void *", buf.ctypes.data), buf.nbytes, dp) \
+        == cuda_lib.IBP_CUDA_E_NO_DEVICE
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_placing_a_table_without_a_device_raises_no_cuda_device(cuda_lib):
+    t = ibp_embed.compress(_mixed(100, 16, torch.float32))
+    with pytest.raises(cuda.NoCudaDeviceError, match=r"^no CUDA device"):
+        cuda.CudaTable(t, "cuda")
+    with pytest.raises(cuda.NoCudaDeviceError, match=r"^no CUDA device"):
+        cuda.to_device(t, "cuda:0", placement="device")
+    with pytest.raises(ValueError, match="CUDA device"):
+        cuda.CudaTable(t, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_no_device_error_without_the_library(monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda, "_lib", None)
+    monkeypatch.setenv("IBP_CUDA_LIBRARY", str(tmp_path / "missing.so"))
+    t = ibp_embed.compress(_mixed(100, 16, torch.float32))
+    with pytest.raises(cuda.NoCudaDeviceError, match=r"^no CUDA device: .*missing\.so"):
+        cuda.CudaTable(t)
+
+
+# ---- the kernels' code, run lane by lane on the host ----
+
+def test_emulated_gather_is_bit_exact(cuda_lib, case):
+    name, w, t = case
+    rng = np.random.default_rng(0)
+    idx = np.concatenate([rng.integers(0, t.shape[0], 500), [0, t.shape[0] - 1, 5, 5]])
+    assert torch.equal(_raw(cuda.emulate_gather(t, idx)), _raw(t.gather(idx)))
+    assert torch.equal(_raw(cuda.emulate_gather(t, np.arange(t.shape[0]))), _raw(w))
+
+
+def test_case_tables_cover_the_format(case):
+    """The cases hold raw and encoded rows, several clusters and all word sizes."""
+    name, w, t = case
+    lengths = t.row_lengths()
+    row_bytes = w.shape[1] * w.dtype.itemsize
+    if name.startswith(("f32-d128", "f32-d40", "f16-d41", "bf16-d16")):
+        assert (lengths == row_bytes).any() and (lengths < row_bytes).any(), name
+        assert t.clusters > 1, name
+    elif name != "f64-d5-w64":
+        assert (lengths < row_bytes).mean() > 0.9, name
+
+
+def test_case_word_sizes():
+    assert {kw["word_bits"] for _, _, kw in CASES} == {16, 32, 64}
+
+
+@pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "fused"])
+def test_emulated_lookup_matches_libibp(cuda_lib, case, dedup):
+    name, w, t = case
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        pytest.skip("pooled lookups are for float tables")
+    idx, off, weights = _batch(t.shape[0], 700, 64, 1)
+    for mode in ("sum", "mean"):
+        ref = t.lookup(idx, off, None, mode)
+        got = cuda.emulate_lookup(t, idx, off, None, mode, dedup)
+        assert torch.equal(got, ref), (mode, (got - ref).abs().max())  # same order, same sums
+        ref = t.lookup(idx, off, weights, mode)
+        got = cuda.emulate_lookup(t, idx, off, weights, mode, dedup)
+        _assert_pooled_close(got, ref, w, idx, off, weights, mode)
+
+
+def test_emulated_lookup_edge_cases(cuda_lib):
+    t = ibp_embed.compress(_mixed(50, 8, torch.float32))
+    for dedup in (True, False):
+        out = cuda.emulate_lookup(t, np.zeros(0, np.int64), np.zeros(4, np.int64), dedup=dedup)
+        assert out.shape == (3, 8) and not out.any()
+        with pytest.raises(IndexError):
+            cuda.emulate_lookup(t, [1, 50], [0, 2], dedup=dedup)
+        with pytest.raises(IndexError):
+            cuda.emulate_lookup(t, [-1], [0, 1], dedup=dedup)
+        with pytest.raises(ValueError, match="offsets"):
+            cuda.emulate_lookup(t, [1, 2, 3], [0, 2, 1, 3], dedup=dedup)
+        with pytest.raises(ValueError, match="offsets"):
+            cuda.emulate_lookup(t, [1, 2, 3], [0, 2], dedup=dedup)
+    with pytest.raises(IndexError):
+        cuda.emulate_gather(t, [0, 50])
+
+
+def test_emulated_decode_detects_corrupt_rows(cuda_lib):
+    w = _smooth(64, 32, torch.float32)
+    t = ibp_embed.compress(w, word_bits=32, clusters=1)
+    assert (t.row_lengths() < 128).all()
+    # Flip word j's participation bit in row 5, j a word with >= 8 invariant bits:
+    # the bitstream then needs at least a byte more or less than the row holds.
+    j = int(np.argmax(np.bitwise_count(t._masks[0])))
+    assert np.bitwise_count(t._masks[0][j]) >= 8
+    row = 5
+    start = int(t._row_starts()[row])
+    payload = t._payload.copy()
+    payload[start + j // 8] ^= np.uint8(1 << (j % 8))
+    bad = ibp_embed.CompressedTable(shape=t.shape, dtype=t.dtype, word_bits=t.word_bits,
+                                    masks=t._masks, bitvals=t._bitvals, block_base=t._block_base,
+                                    rel=t._rel, payload=payload, payload_bytes=t._payload_bytes,
+                                    validate=False)
+    with pytest.raises(FormatError):
+        bad.gather([row])
+    with pytest.raises(FormatError):
+        cuda.emulate_gather(bad, [row])
+    ok = [i for i in range(64) if i != row]
+    assert torch.equal(cuda.emulate_gather(bad, ok), w[ok])
+
+
+def test_emulation_handles_an_unaligned_payload(cuda_lib):
+    w = _mixed(100, 24, torch.float32)
+    t = ibp_embed.compress(w, word_bits=32)
+    buf = np.zeros(t._payload.size + 1, np.uint8)
+    payload = buf[1:]
+    payload[:] = t._payload
+    assert payload.ctypes.data % 16
+    t2 = ibp_embed.CompressedTable(shape=t.shape, dtype=t.dtype, word_bits=t.word_bits,
+                                   masks=t._masks, bitvals=t._bitvals, block_base=t._block_base,
+                                   rel=t._rel, payload=payload, payload_bytes=t._payload_bytes)
+    assert torch.equal(cuda.emulate_gather(t2, np.arange(100)), w)
+
+
+# ---- (d): on a GPU ----
+
+def _has_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return cuda.device_count() > 0
+    except Exception:
+        return False
+
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="no CUDA device: torch.cuda.is_available() is False")
+
+
+@pytest.fixture(scope="module")
+def gpu_ready(cuda_lib):
+    if not _has_gpu():
+        pytest.skip("no CUDA device visible to libibp_cuda")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_gpu_gather_is_bit_exact(gpu_ready, case, placement):
+    name, w, t = case
+    ct = cuda.CudaTable(t, gpu_ready, placement=placement)
+    info = ct.info()
+    assert info["payload_mode"] in (("registered", "shared", "pinned_copy") if placement == "host"
+                                    else ("device_copy",))
+    rng = np.random.default_rng(0)
+    idx = torch.from_numpy(rng.integers(0, t.shape[0], 3000)).to(gpu_ready)
+    got = ct.gather(idx)
+    assert got.device == gpu_ready and got.dtype == t.dtype
+    assert torch.equal(_raw(got.cpu()), _raw(t.gather(idx.cpu())))
+    assert torch.equal(_raw(ct.gather(torch.arange(t.shape[0])).cpu()), _raw(w))
+    two_d = idx[:60].reshape(6, 10)
+    assert ct.gather(two_d).shape == (6, 10, w.shape[1])
+    assert ct.gather(torch.zeros(0, dtype=torch.int64)).shape == (0, w.shape[1])
+    ct.close()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "fused"])
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_gpu_lookup_matches_cpu(gpu_ready, case, dedup, placement):
+    name, w, t = case
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        pytest.skip("pooled lookups are for float tables")
+    ct = cuda.CudaTable(t, gpu_ready, placement=placement)
+    idx, off, weights = _batch(t.shape[0], 5000, 300, 2)
+    for mode in ("sum", "mean"):
+        for wts in (None, weights):
+            ref = t.lookup(idx, off, wts, mode)
+            got = ct.lookup(torch.from_numpy(idx).to(gpu_ready), torch.from_numpy(off).to(gpu_ready),
+                            None if wts is None else torch.from_numpy(wts).to(gpu_ready), mode,
+                            dedup=dedup)
+            assert got.device == gpu_ready and got.shape == ref.shape
+            _assert_pooled_close(got, ref, w, idx, off, wts, mode)
+    ct.close()
+
+
+@gpu
+@needs_gpu
+def test_gpu_lookup_edge_cases(gpu_ready):
+    w = _mixed(200, 64, torch.float32)
+    t = ibp_embed.compress(w)
+    ct = cuda.CudaTable(t, gpu_ready)
+    dev = gpu_ready
+    for dedup in (True, False):
+        # all bags empty, no indices
+        out = ct.lookup(torch.zeros(0, dtype=torch.int64, device=dev),
+                        torch.zeros(5, dtype=torch.int64, device=dev), dedup=dedup)
+        assert out.shape == (4, 64) and not out.any()
+        # one row named many times, empty bags around it
+        idx = torch.full((1000,), 7, dtype=torch.int64, device=dev)
+        off = torch.tensor([0, 0, 1000, 1000], device=dev)
+        _assert_pooled_close(ct.lookup(idx, off, dedup=dedup), t.lookup(idx.cpu(), off.cpu()),
+                             w, idx.cpu().numpy(), off.cpu().numpy(), None, "sum")
+        with pytest.raises(IndexError):
+            ct.lookup(torch.tensor([1, 200], device=dev), torch.tensor([0, 2], device=dev), dedup=dedup)
+        with pytest.raises(IndexError):
+            ct.lookup(torch.tensor([-1], device=dev), torch.tensor([0, 1], device=dev), dedup=dedup)
+        with pytest.raises(ValueError):
+            ct.lookup(torch.tensor([1, 2, 3], device=dev), torch.tensor([0, 2, 1, 3], device=dev),
+                      dedup=dedup)
+        # the errors were reported and cleared: the next call is fine
+        ok = ct.lookup(torch.tensor([1, 2], device=dev), torch.tensor([0, 2], device=dev), dedup=dedup)
+        assert torch.equal(ok.cpu(), t.lookup([1, 2], [0, 2]))
+    with pytest.raises(IndexError):
+        ct.gather(torch.tensor([0, 200], device=dev))
+    # asynchronous calls, errors found by check()
+    ct.gather(torch.tensor([0, 999], device=dev), check=False)
+    with pytest.raises(IndexError):
+        ct.check()
+    ct.check()
+    ct.close()
+
+
+@gpu
+@needs_gpu
+def test_gpu_large_rows_and_direct_reads(gpu_ready, monkeypatch):
+    # Rows of 120 KB: too large to stage twice per warp in shared memory: direct reads.
+    w = _mixed(24, 30000, torch.float32)
+    t = ibp_embed.compress(w, word_bits=32)
+    ct = cuda.CudaTable(t, gpu_ready)
+    assert not ct.info()["staged"]
+    assert torch.equal(ct.gather(torch.arange(24)).cpu(), w)
+    _assert_pooled_close(ct.lookup(torch.arange(24), torch.tensor([0, 10, 24])),
+                         t.lookup(np.arange(24), [0, 10, 24]), w, np.arange(24), [0, 10, 24],
+                         None, "sum")
+    ct.close()
+    # Forced direct reads on a small table (IBP_CUDA_STAGED=0 at placement).
+    w = _mixed(500, 128, torch.float32)
+    t = ibp_embed.compress(w, clusters=4)
+    monkeypatch.setenv("IBP_CUDA_STAGED", "0")
+    ct = cuda.CudaTable(t, gpu_ready)
+    monkeypatch.delenv("IBP_CUDA_STAGED")
+    assert not ct.info()["staged"]
+    assert torch.equal(ct.gather(torch.arange(500)).cpu(), w)
+    idx, off, weights = _batch(500, 3000, 100, 5)
+    _assert_pooled_close(ct.lookup(idx, off, weights, dedup=False), t.lookup(idx, off, weights),
+                         w, idx, off, weights, "sum")
+    ct.close()
+
+
+@gpu
+@needs_gpu
+def test_gpu_shared_registration_and_mmap(gpu_ready, tmp_path):
+    w = _mixed(1000, 32, torch.bfloat16)
+    t = ibp_embed.compress(w)
+    a, b = cuda.CudaTable(t, gpu_ready), cuda.CudaTable(t, gpu_ready)
+    a.close()  # b still reads the payload pinned for both
+    assert torch.equal(b.gather(torch.arange(1000)).cpu(), w)
+    b.close()
+    path = tmp_path / "t.ibp"
+    t.save(path)
+    loaded = ibp_embed.load(path)
+    c = cuda.CudaTable(loaded, gpu_ready)
+    assert torch.equal(c.gather(torch.arange(1000)).cpu(), w)
+    c.close()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_gpu_row_cache(gpu_ready, policy):
+    from ibp_embed.cache import RowCache
+
+    w = _mixed(2000, 64, torch.float16)
+    t = ibp_embed.compress(w)
+    assert t.clusters > 1
+    ct = cuda.CudaTable(t, gpu_ready)
+    cache = RowCache(ct, load_factor=0.2, policy=policy)
+    assert cache.device == gpu_ready and cache.rows.device == gpu_ready
+    rng = np.random.default_rng(3)
+    batches = [_batch(2000, 2000, 100, s) for s in range(6)]
+    for i, (idx, off, wts) in enumerate(batches):
+        if i + 1 < len(batches):
+            cache.prefetch(torch.from_numpy(batches[i + 1][0]).to(gpu_ready))
+        got = cache.lookup(torch.from_numpy(idx).to(gpu_ready), torch.from_numpy(off).to(gpu_ready),
+                           torch.from_numpy(wts).to(gpu_ready), "mean")
+        _assert_pooled_close(got, t.lookup(idx, off, wts, "mean"), w, idx, off, wts, "mean")
+    assert cache.prefetched > 0 and cache.hits > 0
+    # a host-decoding source for a device cache
+    cache2 = RowCache(t, load_factor=0.5, policy=policy, device=gpu_ready)
+    idx = rng.integers(0, 2000, 500)
+    assert torch.equal(cache2.gather(torch.from_numpy(idx)).cpu(), w[idx])
+    ct.close()
