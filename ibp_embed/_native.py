@@ -22,19 +22,20 @@ ABI_VERSION = 1
 FORMAT_VERSION = 1
 
 
-def _cdef() -> str:
+def header_cdef(header: Path) -> str:
+    """The CFFI_BEGIN .. CFFI_END block of a C header: its cffi cdef."""
     try:
-        text = _HEADER.read_text()
+        text = header.read_text()
     except OSError as e:
-        raise NativeLibraryError(f"cannot read the C header {_HEADER}: {e}") from None
+        raise NativeLibraryError(f"cannot read the C header {header}: {e}") from None
     m = re.search(r"/\* CFFI_BEGIN \*/(.*)/\* CFFI_END \*/", text, re.S)
     if not m:
-        raise NativeLibraryError(f"{_HEADER} has no CFFI_BEGIN/CFFI_END block")
+        raise NativeLibraryError(f"{header} has no CFFI_BEGIN/CFFI_END block")
     return m.group(1)
 
 
 ffi = cffi.FFI()
-ffi.cdef(_cdef())
+ffi.cdef(header_cdef(_HEADER))
 
 
 def _load():

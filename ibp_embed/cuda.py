@@ -16,7 +16,6 @@ and run on the current torch stream.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from pathlib import Path
 
@@ -47,20 +46,9 @@ class CudaError(RuntimeError):
     """A CUDA runtime error reported by libibp_cuda."""
 
 
-def _cdef() -> str:
-    try:
-        text = _HEADER.read_text()
-    except OSError as e:
-        raise NativeLibraryError(f"cannot read the C header {_HEADER}: {e}") from None
-    m = re.search(r"/\* CFFI_BEGIN \*/(.*)/\* CFFI_END \*/", text, re.S)
-    if not m:
-        raise NativeLibraryError(f"{_HEADER} has no CFFI_BEGIN/CFFI_END block")
-    return m.group(1)
-
-
 ffi = cffi.FFI()
 ffi.include(_native.ffi)  # ibp_table and friends, shared with the CPU binding
-ffi.cdef(_cdef())
+ffi.cdef(_native.header_cdef(_HEADER))
 
 _lock = threading.Lock()
 _lib = None
