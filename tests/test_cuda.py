@@ -218,7 +218,7 @@ def test_ptxas_reports_no_spills_in_the_kernels(cuda_build):
 # ---- (c): the library without a GPU ----
 
 def test_cffi_block_parses():
-    assert "ibp_cuda_lookup" in cuda._cdef()
+    assert "ibp_cuda_lookup" in ibp_embed._native.header_cdef(cuda._HEADER)
     assert cuda.ffi.sizeof("ibp_cuda_info") > 0
     assert cuda.ffi.sizeof("ibp_table") == ibp_embed._native.ffi.sizeof("ibp_table")
 
