@@ -1,0 +1,181 @@
+"""Helpers shared by the benchmarks: machine info, timing, thread control, JSON and markdown."""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+
+# ---------------------------------------------------------------- machine
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(__import__(module), "__version__", "?")
+    except Exception:  # noqa: BLE001 - an optional library may fail to import in many ways
+        return None
+
+
+def machine_info() -> dict:
+    """CPU, cores, memory, library versions and the git commit, for a results file."""
+    from ibp_embed import _native
+
+    mem_total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    cache = {}  # per-core view as sysfs (and lscpu) report it; getconf can report the host's
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind = (d / "level").read_text().strip(), (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction":
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            cache[f"L{level}"] = int(size.rstrip("KMG")) * mult
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    try:
+        lib_sha = hashlib.sha256(Path(_native._LIBRARY).read_bytes()).hexdigest()[:16]
+    except OSError:
+        lib_sha = None
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cache_bytes": cache,
+        "mem_total_bytes": mem_total,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {m: _version(m) for m in
+                     ("torch", "numpy", "ibp_embed", "zstandard", "lz4", "blosc2", "fbgemm_gpu", "torchrec")},
+        "ibp_isa": ["generic", "x86-64-v3", "avx512"][_native.lib.ibp_isa()],
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(dirty) if dirty is not None else None,
+        "libibp_sha256_16": lib_sha,  # identifies the native build when the tree is dirty
+    }
+
+
+# ---------------------------------------------------------------- threads
+@contextlib.contextmanager
+def threads(n: int):
+    """Run a block with n torch threads and n libibp threads, restoring both after."""
+    from ibp_embed import _native
+
+    old_torch, old_ibp = torch.get_num_threads(), int(_native.lib.ibp_get_num_threads())
+    torch.set_num_threads(n)
+    _native.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_torch)
+        _native.set_num_threads(old_ibp)
+
+
+# ---------------------------------------------------------------- timing
+def time_runs(fn, repeats: int = 5, warmup: int = 1) -> dict:
+    """Call fn() warmup + repeats times; seconds of the timed calls and their median."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+
+
+class Stopwatch:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+# ---------------------------------------------------------------- output
+def utc_stamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        x = float(x)
+        return x if math.isfinite(x) else None
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if isinstance(x, (torch.dtype, Path)):
+        return str(x)
+    return x
+
+
+def write_json(obj: dict, name: str, stamp: str | None = None, results_dir: Path = RESULTS_DIR) -> Path:
+    """Write obj to results_dir/<name>-<UTC stamp>.json (written whole, then renamed)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}-{stamp or utc_stamp()}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_jsonable(obj), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def markdown_table(headers, rows, align=None) -> str:
+    """A GitHub markdown table; align: a string of 'l'/'r' per column (default: first left)."""
+    headers = [str(h) for h in headers]
+    rows = [["" if c is None else str(c) for c in r] for r in rows]
+    align = align or "l" + "r" * (len(headers) - 1)
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                                 for c, w, a in zip(cells, widths, align)) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1))
+                         for w, a in zip(widths, align)) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def fmt(x, digits: int = 2) -> str:
+    """Fixed-point number, '-' for None/NaN."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}"
