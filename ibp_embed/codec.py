@@ -24,6 +24,7 @@ from .table import CompressedTable
 
 THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
 WORD_BITS = (16, 32, 64)
+WORD_SIZE_SLACK = 0.01  # accept up to 1% more bytes for a wider, faster word
 LLOYD_ROUNDS = 8
 SAMPLE_ROWS = 1 << 18
 CHUNK_ROWS = 1 << 20  # rows per native call while encoding (progress granularity)
@@ -34,7 +35,8 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
              progress: bool | None = None) -> CompressedTable:
     """Compress a 2-D tensor or array (any 1/2/4/8-byte dtype) into a CompressedTable.
 
-    word_bits: 16, 32 or 64; None picks the smallest encoding.
+    word_bits: 16, 32 or 64; None picks the smallest encoding, preferring a wider
+        word (faster to decode) when it costs at most 1% more.
     clusters: the most masks to use (1..256); fewer are kept when that is smaller.
     threshold: fix the invariance threshold (0.5 < t <= 1) instead of sweeping.
     sample_rows: rows sampled to build masks on large tables; every row is encoded exactly.
@@ -60,14 +62,15 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
     sample = rows if n_rows <= sample_rows else rows[np.sort(rng.choice(n_rows, sample_rows, replace=False))]
     sample = np.ascontiguousarray(sample)
     # The word size is chosen with one mask (the comparison is what matters, and
-    # clusters rarely change it); the clusters are then built for that size.
-    best = None
-    for w in ([word_bits] if word_bits else WORD_BITS):
-        book = _single_codebook(sample, w, thresholds)
-        size = _estimate_nbytes(book, sample, n_rows)
-        if best is None or size < best[0]:
-            best = (size, book)
-    book = best[1]
+    # clusters rarely change it); the clusters are then built for that size. Wider
+    # words decode faster (fewer steps a row), so the widest within WORD_SIZE_SLACK
+    # of the smallest encoding wins.
+    sized = [(_estimate_nbytes(book, sample, n_rows), book)
+             for book in (_single_codebook(sample, w, thresholds)
+                          for w in ([word_bits] if word_bits else WORD_BITS))]
+    smallest = min(size for size, _ in sized)
+    book = max((b for size, b in sized if size <= smallest * (1 + WORD_SIZE_SLACK)),
+               key=lambda b: b.word_bits)
     if clusters > 1:
         book = _lloyd(sample, book, int(clusters), thresholds)
     return _encode_table(rows, dtype, dim, book, progress)

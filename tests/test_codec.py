@@ -656,3 +656,17 @@ def test_masks_are_read_only(table):
     with pytest.raises(ValueError):
         table.bitvals[0, 0] = 1
     assert "CompressedTable" in repr(table)
+
+
+def test_lookup_row_cache_collisions_and_repeats():
+    """Lookups keep a per-thread cache of decoded rows: ids that evict each other
+    (many more distinct rows than slots) and hot repeats must pool exactly."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(20000, 8, generator=g) * 0.01
+    t = ibp_embed.compress(w)
+    hot = torch.randint(0, 20000, (64,), generator=g)
+    idx = torch.where(torch.rand(60000, generator=g) < 0.5, hot[torch.randint(0, 64, (60000,), generator=g)],
+                      torch.randint(0, 20000, (60000,), generator=g))
+    off = torch.arange(0, 60001, 30)
+    want = torch.nn.functional.embedding_bag(idx, w, off[:-1], mode="sum")
+    assert torch.equal(t.lookup(idx, off), want)
