@@ -65,6 +65,7 @@ $(VENV)/.stamp: requirements.txt pyproject.toml
 
 demo: all
 	$(PY) -m ibp_embed.demo
+	$(PY) -m dlrm_example.demo
 
 test: all
 	$(PY) -m pytest -q tests

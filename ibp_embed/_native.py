@@ -43,10 +43,19 @@ def _load():
     if not path.exists():
         raise NativeLibraryError(
             f"the native library {path} is missing: run `make` in {_ROOT} to build it")
+    # libibp's OpenMP runtime is not the one inside torch; two runtimes whose idle
+    # workers spin slow each other down badly on few cores. Ours waits passively
+    # unless the user chose a policy (libgomp reads it once, when it loads).
+    chosen = "OMP_WAIT_POLICY" in os.environ
+    if not chosen:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         lib = ffi.dlopen(str(path))
     except OSError as e:
         raise NativeLibraryError(f"cannot load {path} ({e}): run `make` to rebuild it") from None
+    finally:
+        if not chosen:
+            del os.environ["OMP_WAIT_POLICY"]
     if lib.ibp_abi_version() != ABI_VERSION or lib.ibp_format_version() != FORMAT_VERSION:
         raise NativeLibraryError(
             f"{path} implements ABI {lib.ibp_abi_version()} / format {lib.ibp_format_version()}, "

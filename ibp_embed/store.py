@@ -132,11 +132,14 @@ class UpdatableTable(TableReads):
         if np.unique(idx).size != idx.size:
             raise ValueError("ids must be distinct (aggregate the updates of a row first)")
         clusters, lengths = self._book.assign(raw)
-        fits = lengths <= self._slot[idx]
-        movers = np.flatnonzero(~fits)
-        need = int(lengths[movers].sum(dtype=np.uint64))
+        movers, need = self._plan(idx, lengths)
         if self._end + need + self._pad > self._arena.size:
-            self._make_room(need)
+            if self.dead_bytes > COMPACT_DEAD * self._end:
+                self.compact()
+                # compaction shrinks every slot to its row: re-plan who fits in place
+                movers, need = self._plan(idx, lengths)
+            if self._end + need + self._pad > self._arena.size:
+                self._grow(need)
         starts = self._start[idx].copy()
         if movers.size:
             grown = np.cumsum(lengths[movers], dtype=np.uint64)
@@ -153,15 +156,17 @@ class UpdatableTable(TableReads):
         if self._repack_drift is not None and self.live_bytes > self._packed_bytes * (1 + self._repack_drift):
             self.repack()
 
-    def _make_room(self, need: int) -> None:
-        if self.dead_bytes > COMPACT_DEAD * self._end:
-            self.compact()
-        if self._end + need + self._pad > self._arena.size:
-            size = int((self._end + need) * GROWTH) + self._pad + 64
-            arena = np.zeros(size, dtype=np.uint8)
-            arena[: self._end] = self._arena[: self._end]
-            self._arena = arena
-            self._bind()
+    def _plan(self, idx: np.ndarray, lengths: np.ndarray):
+        """(positions in idx of the rows that must move, bytes they need at the log's end)."""
+        movers = np.flatnonzero(lengths > self._slot[idx])
+        return movers, int(lengths[movers].sum(dtype=np.uint64))
+
+    def _grow(self, need: int) -> None:
+        size = int((self._end + need) * GROWTH) + self._pad + 64
+        arena = np.zeros(size, dtype=np.uint8)
+        arena[: self._end] = self._arena[: self._end]
+        self._arena = arena
+        self._bind()
 
     def compact(self) -> None:
         """Rewrite the live rows back to back in row order; dead space becomes free."""

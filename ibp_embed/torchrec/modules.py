@@ -4,7 +4,14 @@ The module has EmbeddingBagCollection's interface (configs, KeyedJaggedTensor in
 KeyedTensor out, same keys, order and layout) but holds every table as an immutable
 :class:`ibp_embed.CompressedTable` in host memory. Pooled lookups run in the native
 library and decode only the rows a batch touches; no table is ever decompressed
-whole in ``forward``. It is an inference module: tables carry no gradient.
+whole in ``forward``. By default it is an inference module: tables carry no gradient.
+
+Training (opt-in, ``optimizer=ibp_embed.optim.SGD(lr)`` or ``RowWiseAdagrad(lr, eps)``):
+every table becomes an :class:`ibp_embed.store.UpdatableTable`, forward returns pooled
+outputs that require grad, and backward applies the sparse optimizer to the touched
+rows inside a torch.autograd.Function (fused into backward as in FBGEMM's TBE: no dense
+table gradient is ever built). Optimizer state is uncompressed fp32, in state_dict and
+in save_compressed checkpoints, and counted by ``memory_stats()``.
 
 Checkpoints: ``state_dict()`` exposes each table as a plain decompressed tensor under
 TorchRec's key ``embedding_bags.<table>.weight``; ``load_state_dict`` re-compresses.
@@ -19,7 +26,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -34,6 +41,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..codec import compress
 from ..io import load as load_table
+from ..optim import SparseOptimizer, make_optimizer, row_gradients, state_nbytes
+from ..store import UpdatableTable
 from ..table import CompressedTable
 
 __all__ = [
@@ -46,6 +55,9 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "ibp_embed.torchrec.IBPEmbeddingBagCollection"
 MANIFEST_VERSION = 1
+
+# Trainable tables rebuild their masks once the stored rows grew this much (UpdatableTable).
+DEFAULT_REPACK_DRIFT = 0.05
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
 CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress")
@@ -197,16 +209,25 @@ def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[_Slot], weighted: bool
 
     Every check (keys, offsets, weights, id ranges) runs before any native call.
     """
+    jobs, b = lookup_jobs(kjt, slots, weighted, who, key_index)
+    if jobs is None:
+        return torch.empty((kjt.stride(), sum(s.dim for s in slots)), dtype=torch.float32, device="meta")
+    return run_lookup_jobs(jobs, b, dedup)
+
+
+def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[_Slot], weighted: bool, who: str,
+                key_index: Optional[Sequence[int]] = None):
+    """Validated per-slot work: ([(slot, ids, bag offsets [B+1], weights or None)], B);
+    (None, B) for meta inputs."""
     n_keys = len(kjt.keys())
     if key_index is None:
         key_index = range(len(slots))
-    total_dim = sum(s.dim for s in slots)
     values = kjt.values()
     if values.device.type == "meta" or any(s.table is None for s in slots):
         if values.device.type != "meta":
             raise RuntimeError(f"{who} is on the meta device: load weights (load_state_dict or "
                                f"load_compressed) before running it on real inputs")
-        return torch.empty((kjt.stride(), total_dim), dtype=torch.float32, device="meta")
+        return None, kjt.stride()
     vals, off, w, b = _kjt_parts(kjt, n_keys, weighted, who)
     jobs = []
     for s, k in zip(slots, key_index):
@@ -219,6 +240,10 @@ def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[_Slot], weighted: bool
                 raise IndexError(f"{who}: feature {s.feature!r} has id {bad}, out of range for table "
                                  f"{s.table_name!r} of {s.n_rows} rows")
         jobs.append((s, ids, off[k * b:(k + 1) * b + 1] - lo, None if w is None else w[lo:hi]))
+    return jobs, b
+
+
+def run_lookup_jobs(jobs, b: int, dedup: str) -> torch.Tensor:
     outs = [_lookup_one(s, ids, bag_off, ws, dedup) for s, ids, bag_off, ws in jobs]
     if not outs:
         return torch.empty((b, 0), dtype=torch.float32)
@@ -238,7 +263,12 @@ def compress_weight(weight: torch.Tensor, dtype: torch.dtype, codec_options: Dic
 # ---------------------------------------------------------------------------
 
 class IBPEmbeddingBag(nn.Module):
-    """One compressed table; its state_dict entry ``weight`` is the decompressed tensor."""
+    """One compressed table; its state_dict entry ``weight`` is the decompressed tensor.
+
+    Trainable (after ``make_trainable``): the table is an :class:`UpdatableTable` and
+    the optimizer's per-row state (e.g. ``momentum1``) sits, uncompressed, in
+    ``optimizer_state`` and in the state_dict next to ``weight``.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, mode: str,
                  table: Optional[CompressedTable], codec_options: Dict[str, Any], name: str = ""):
@@ -246,17 +276,44 @@ class IBPEmbeddingBag(nn.Module):
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.dtype, self.mode, self.name = dtype, mode, name
         self._codec_options = codec_options
-        self.table: Optional[CompressedTable] = None
+        self.table: Optional[Union[CompressedTable, UpdatableTable]] = None
+        self.optimizer: Optional[SparseOptimizer] = None
+        self.optimizer_state: Dict[str, torch.Tensor] = {}
+        self._repack_drift: Optional[float] = None
         if table is not None:
             self.set_table(table)
 
-    def set_table(self, table: CompressedTable) -> None:
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    def make_trainable(self, optimizer: SparseOptimizer, repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT
+                       ) -> None:
+        """Hold the table as an UpdatableTable and give it fresh optimizer state."""
+        if not isinstance(optimizer, SparseOptimizer):
+            raise TypeError(f"optimizer must be an ibp_embed.optim.SparseOptimizer (SGD, RowWiseAdagrad), "
+                            f"got {type(optimizer).__name__}")
+        if self.dtype != torch.float32:
+            raise ValueError(f"table {self.name!r}: training needs an FP32 table, this one holds {self.dtype} "
+                             f"(FBGEMM rounds fp16 updates stochastically; there is nothing exact to match)")
+        self.optimizer = optimizer
+        self._repack_drift = repack_drift
+        self.reset_state()
+        if self.table is not None:
+            self.set_table(self.table)
+
+    def reset_state(self) -> None:
+        self.optimizer_state = {} if self.optimizer is None else self.optimizer.init_state(self.num_embeddings)
+
+    def set_table(self, table: Union[CompressedTable, UpdatableTable]) -> None:
         if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"table {self.name!r}: compressed table has shape {tuple(table.shape)}, "
                              f"the config says ({self.num_embeddings}, {self.embedding_dim})")
         if table.dtype != self.dtype:
             raise ValueError(f"table {self.name!r}: compressed table holds {table.dtype}, "
                              f"the config says {self.dtype}")
+        if self.trainable and not isinstance(table, UpdatableTable):
+            table = UpdatableTable(table, repack_drift=self._repack_drift)
         self.table = table
 
     def load_weight(self, weight: torch.Tensor) -> None:
@@ -273,20 +330,31 @@ class IBPEmbeddingBag(nn.Module):
             return torch.empty((self.num_embeddings, self.embedding_dim), dtype=self.dtype, device="meta")
         return self.table.decompress()
 
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={self.mode!r}, "
-                f"table={self.table!r}")
+    @property
+    def optimizer_state_nbytes(self) -> int:
+        return state_nbytes(self.optimizer_state)
 
-    # state_dict integration: a virtual "weight" entry.
+    def extra_repr(self) -> str:
+        opt = f", optimizer={self.optimizer!r}" if self.trainable else ""
+        return (f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={self.mode!r}, "
+                f"table={self.table!r}{opt}")
+
+    # state_dict integration: a virtual "weight" entry (+ the optimizer state, when trainable).
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight()
+        for k, v in self.optimizer_state.items():
+            destination[prefix + k] = v.detach().clone()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key = prefix + "weight"
+        state_keys = {prefix + k for k in self.optimizer_state}
         for k in state_dict:
-            if k.startswith(prefix) and k != key and strict:
+            if k.startswith(prefix) and k != key and k not in state_keys and strict:
                 unexpected_keys.append(k)
+        for k in self.optimizer_state:  # optional: a plain TorchRec checkpoint has none
+            if prefix + k in state_dict:
+                self.load_state_tensor(k, state_dict[prefix + k])
         if key not in state_dict:
             if strict:
                 missing_keys.append(key)
@@ -294,6 +362,20 @@ class IBPEmbeddingBag(nn.Module):
         value = state_dict[key]
         self.check_weight(key, value)
         self.set_table(compress_weight(value, self.dtype, self._codec_options))
+
+    def check_state_tensor(self, name: str, value) -> None:
+        cur = self.optimizer_state.get(name)
+        if cur is None:
+            raise RuntimeError(f"table {self.name!r}: unexpected optimizer state {name!r} "
+                               f"(the optimizer keeps {sorted(self.optimizer_state)})")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(cur.shape):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise RuntimeError(f"table {self.name!r}: optimizer state {name!r} has shape {shape}, "
+                               f"expected {tuple(cur.shape)}")
+
+    def load_state_tensor(self, name: str, value) -> None:
+        self.check_state_tensor(name, value)
+        self.optimizer_state[name].copy_(torch.as_tensor(value).to("cpu", torch.float32))
 
     def check_weight(self, key: str, value) -> None:
         # Errors raise at once rather than going to error_msgs: DistributedModelParallel's
@@ -306,6 +388,34 @@ class IBPEmbeddingBag(nn.Module):
                                f"{(self.num_embeddings, self.embedding_dim)}.")
         if value.device.type == "meta":
             raise RuntimeError(f"{key}: the checkpoint holds a meta tensor (no values)")
+
+
+# ---------------------------------------------------------------------------
+# Training: the sparse update, fused into backward
+# ---------------------------------------------------------------------------
+
+class _FusedSparseUpdate(torch.autograd.Function):
+    """Pooled lookups whose backward applies the sparse optimizer to the touched rows.
+
+    forward(anchor, module, jobs, B) -> [B, sum of dims]; `anchor` is an empty leaf that
+    requires grad (it only makes autograd call backward). backward turns the output
+    gradient into per-row gradients and updates the tables in place, as FBGEMM's fused
+    TBE does; no dense gradient of any table exists at any point.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, module, jobs, b):
+        ctx.module, ctx.jobs, ctx.b = module, jobs, b
+        return run_lookup_jobs(jobs, b, module.dedup)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.jobs is None:
+            raise RuntimeError("IBPEmbeddingBagCollection: backward ran twice through the same forward; the "
+                               "sparse update was already applied (retain_graph is not supported)")
+        ctx.module._apply_sparse_update(ctx.jobs, ctx.b, grad_out)
+        ctx.jobs = None
+        return None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -333,13 +443,33 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             so when at most half the ids of a feature's batch are distinct. On the
             development machine it did not pay off (benchmarks/lookup.py); try it on
             very skewed traffic.
+        optimizer: None (default: inference, immutable CompressedTables) or an
+            :class:`ibp_embed.optim.SparseOptimizer` (``SGD(lr)``,
+            ``RowWiseAdagrad(lr, eps)``): training mode. Every table is then an
+            :class:`ibp_embed.store.UpdatableTable` (FP32 only), forward returns pooled
+            outputs that require grad whenever grad mode is on, and backward applies the
+            optimizer to the rows the batch touched, fused into backward like FBGEMM's
+            TBE (EXACT_SGD / EXACT_ROWWISE_ADAGRAD arithmetic, see ibp_embed.optim).
+            The optimizer state (e.g. ``momentum1``, one fp32 per row) is uncompressed,
+            appears in state_dict as ``embedding_bags.<table>.<name>``, is written by
+            save_compressed and is counted by :meth:`memory_stats`.
+        repack_drift: trainable tables rebuild their masks once their stored rows grew
+            by this fraction since the last (re)pack (None: never automatically).
+        process_group: training only. Data-parallel training with a full replica of
+            every table on each rank: backward all-gathers every rank's ids and output
+            gradients and each rank applies the same update, the one a table-wise sharded
+            TorchRec table gets (the global batch in rank order, output gradients divided
+            by the world size as TorchRec's gradient division does), so the replicas stay
+            identical. Every rank must call forward/backward in step.
         word_bits, clusters, threshold, sample_rows, seed, progress: codec options
             passed to :func:`ibp_embed.compress` whenever a table is (re)compressed.
     """
 
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
                  device: Optional[torch.device] = None, *, ignore_extra_features: bool = False,
-                 dedup: str = "never", _tables: Optional[Dict[str, CompressedTable]] = None,
+                 dedup: str = "never", optimizer: Optional[SparseOptimizer] = None,
+                 repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT, process_group=None,
+                 _tables: Optional[Dict[str, CompressedTable]] = None,
                  **codec_options: Any) -> None:
         super().__init__()
         self._codec_options = check_codec_options(codec_options)
@@ -349,6 +479,10 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.dedup = check_dedup(dedup)
         self._embedding_bag_configs = tables
         self.embedding_bags: nn.ModuleDict = nn.ModuleDict()
+        self._optimizer: Optional[SparseOptimizer] = None
+        self._process_group = process_group
+        if process_group is not None and optimizer is None:
+            raise ValueError("process_group is for training: pass an optimizer too")
         names = set()
         for config in tables:
             if config.name in names:
@@ -360,9 +494,12 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 raise ValueError(f"table {config.name!r}: num_embeddings and embedding_dim must be positive")
             bag = IBPEmbeddingBag(config.num_embeddings, config.embedding_dim, table_dtype(config),
                                   pooling_mode(config), None, self._codec_options, config.name)
-            if _tables is not None:
-                bag.set_table(_tables[config.name])
             self.embedding_bags[config.name] = bag
+        if optimizer is not None:
+            self.set_optimizer(optimizer, repack_drift)
+        if _tables is not None:
+            for config in tables:
+                self.embedding_bags[config.name].set_table(_tables[config.name])
         self._feature_names: List[List[str]] = [list(c.feature_names) for c in tables]
         self._embedding_names: List[str] = [
             e for names_ in get_embedding_names_by_table(tables) for e in names_]
@@ -378,8 +515,11 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     @classmethod
     def from_embedding_bag_collection(cls, ebc: EmbeddingBagCollection, *,
                                       ignore_extra_features: bool = False, dedup: str = "never",
-                                      **codec_options: Any) -> "IBPEmbeddingBagCollection":
-        """Compress the tables of an existing (e.g. trained) EmbeddingBagCollection."""
+                                      optimizer: Optional[SparseOptimizer] = None,
+                                      repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
+                                      process_group=None, **codec_options: Any) -> "IBPEmbeddingBagCollection":
+        """Compress the tables of an existing (e.g. trained) EmbeddingBagCollection.
+        With `optimizer`, the result is trainable (see the class docstring)."""
         if not isinstance(ebc, EmbeddingBagCollectionInterface) or not hasattr(ebc, "embedding_bags"):
             raise TypeError(f"expected a torchrec EmbeddingBagCollection, got {type(ebc).__name__}")
         codec_options = check_codec_options(codec_options)
@@ -401,15 +541,74 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                            torch.bfloat16: DataType.BF16}[weight.dtype]
             tables[c.name] = compress_weight(weight, weight.dtype, codec_options)
         return cls(configs, is_weighted=ebc.is_weighted(), ignore_extra_features=ignore_extra_features,
-                   dedup=dedup, _tables=tables, **codec_options)
+                   dedup=dedup, optimizer=optimizer, repack_drift=repack_drift, process_group=process_group,
+                   _tables=tables, **codec_options)
 
     def to_embedding_bag_collection(self, device=None) -> EmbeddingBagCollection:
-        """A plain TorchRec EmbeddingBagCollection holding the decompressed tables."""
+        """A plain TorchRec EmbeddingBagCollection holding the decompressed tables
+        (without optimizer state)."""
         configs = [dataclasses.replace(c, feature_names=list(c.feature_names))
                    for c in self._embedding_bag_configs]
         ebc = EmbeddingBagCollection(configs, is_weighted=self._is_weighted, device=device)
-        ebc.load_state_dict(self.state_dict())
+        ebc.load_state_dict({f"embedding_bags.{n}.weight": b.weight() for n, b in self.embedding_bags.items()})
         return ebc
+
+    # ---- training ----
+    @property
+    def optimizer(self) -> Optional[SparseOptimizer]:
+        """The sparse optimizer applied in backward (None: inference module)."""
+        return self._optimizer
+
+    @property
+    def trainable(self) -> bool:
+        return self._optimizer is not None
+
+    def set_optimizer(self, optimizer: SparseOptimizer,
+                      repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT) -> None:
+        """Switch to training mode with `optimizer` (fresh optimizer state; the tables
+        become UpdatableTables)."""
+        if not isinstance(optimizer, SparseOptimizer):
+            raise TypeError(f"optimizer must be an ibp_embed.optim.SparseOptimizer (SGD, RowWiseAdagrad), "
+                            f"got {type(optimizer).__name__}")
+        for bag in self.embedding_bags.values():
+            bag.make_trainable(optimizer, repack_drift)
+        self._optimizer = optimizer
+
+    def optimizer_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """table name -> {state name: tensor} (the live tensors, not copies)."""
+        return {name: bag.optimizer_state for name, bag in self.embedding_bags.items()}
+
+    def _apply_sparse_update(self, jobs, b: int, grad_out: torch.Tensor) -> None:
+        """Backward of a trainable forward: per table, per-row gradients of the batch's
+        rows (every feature of the table, in config order), then one optimizer step."""
+        grad_out = grad_out.detach().to("cpu", torch.float32).contiguous()
+        per_slot = []  # (slot, ids int64 tensor, offsets [B'+1], weights or None, grad [B', dim])
+        col = 0
+        for s, ids, bag_off, ws in jobs:
+            g = grad_out[:, col:col + s.dim]
+            col += s.dim
+            per_slot.append((s, torch.from_numpy(np.ascontiguousarray(ids)),
+                             torch.from_numpy(np.ascontiguousarray(bag_off)),
+                             None if ws is None else torch.from_numpy(np.ascontiguousarray(ws)), g))
+        if self._process_group is not None:
+            per_slot = _all_gather_slots(per_slot, self._process_group, self._is_weighted)
+        by_table: Dict[str, list] = {}
+        for item in per_slot:
+            by_table.setdefault(item[0].table_name, []).append(item)
+        for name, items in by_table.items():
+            bag = self.embedding_bags[name]
+            if len(items) == 1:
+                _, ids, off, ws, g = items[0]
+            else:  # feature after feature, as FBGEMM sees a shared table
+                ids = torch.cat([it[1] for it in items])
+                starts = torch.tensor([0] + [int(it[2][-1]) for it in items[:-1]]).cumsum(0)
+                off = torch.cat([items[0][2][:1]] + [it[2][1:] + st for it, st in zip(items, starts)])
+                ws = None if items[0][3] is None else torch.cat([it[3] for it in items])
+                g = torch.cat([it[4] for it in items], dim=0)
+            if ids.numel() == 0:
+                continue
+            row_ids, grads = row_gradients(ids, off, g, ws, bag.mode)
+            self._optimizer.step(bag.table, bag.optimizer_state, row_ids, grads, shared=len(items) > 1)
 
     # ---- EmbeddingBagCollectionInterface ----
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -422,20 +621,66 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def device(self) -> torch.device:
         return self._device
 
-    def tables(self) -> Dict[str, Optional[CompressedTable]]:
-        """Table name -> CompressedTable (None while on the meta device)."""
+    def tables(self) -> Dict[str, Optional[Union[CompressedTable, UpdatableTable]]]:
+        """Table name -> CompressedTable, or UpdatableTable when trainable (None while on
+        the meta device)."""
         return {name: bag.table for name, bag in self.embedding_bags.items()}
 
     @property
     def compressed_nbytes(self) -> int:
+        """Host bytes of the compressed tables (for UpdatableTables: the whole arena
+        allocation with its free space, plus the row index and masks)."""
         return sum(b.table.nbytes for b in self.embedding_bags.values() if b.table is not None)
 
     @property
     def raw_nbytes(self) -> int:
         return sum(b.num_embeddings * b.embedding_dim * b.dtype.itemsize for b in self.embedding_bags.values())
 
+    @property
+    def optimizer_state_nbytes(self) -> int:
+        """Bytes of the (uncompressed) optimizer state, 0 for an inference module."""
+        return sum(b.optimizer_state_nbytes for b in self.embedding_bags.values())
+
+    def memory_stats(self) -> Dict[str, int]:
+        """Memory figures in bytes:
+
+        raw_bytes: the tables uncompressed (what TorchRec's EBC holds);
+        compressed_bytes: what the tables hold now (compressed_nbytes);
+        live_bytes / dead_bytes: of trainable tables, bytes of the rows as encoded now and
+            arena bytes below the log's end holding no live row (0 when not trainable);
+        arena_bytes / index_bytes: of trainable tables, the arena allocations (live rows,
+            dead space and the free space past the log's end) and the per-row index
+            (start, length, slot: 16 bytes a row); compressed_bytes = arena_bytes +
+            index_bytes + masks for trainable tables;
+        packed_bytes: the tables packed as save_compressed writes them (trainable:
+            live rows + index + masks as a CompressedTable would hold them; inference:
+            compressed_bytes);
+        optimizer_state_bytes: the optimizer state (uncompressed);
+        total_bytes: compressed_bytes + optimizer_state_bytes;
+        raw_total_bytes: raw_bytes + optimizer_state_bytes (the uncompressed model with
+            the same optimizer state, for comparison).
+        """
+        live = dead = packed = arena = index = 0
+        for b in self.embedding_bags.values():
+            t = b.table
+            if t is None:
+                continue
+            if isinstance(t, UpdatableTable):
+                live += t.live_bytes
+                dead += t.dead_bytes
+                arena += int(t._arena.nbytes)
+                index += int(t._start.nbytes + t._len.nbytes + t._slot.nbytes)
+                packed += _packed_nbytes(t)
+            else:
+                packed += t.nbytes
+        comp, opt, raw = self.compressed_nbytes, self.optimizer_state_nbytes, self.raw_nbytes
+        return {"raw_bytes": raw, "compressed_bytes": comp, "live_bytes": live, "dead_bytes": dead,
+                "arena_bytes": arena, "index_bytes": index, "packed_bytes": packed,
+                "optimizer_state_bytes": opt, "total_bytes": comp + opt, "raw_total_bytes": raw + opt}
+
     def reset_parameters(self) -> None:
-        """Re-initialise every table with its config's init_fn, then compress it."""
+        """Re-initialise every table with its config's init_fn, then compress it (and
+        reset the optimizer state when trainable)."""
         if self._device.type == "meta":
             return
         for config in self._embedding_bag_configs:
@@ -447,6 +692,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if isinstance(out, torch.Tensor) and out.shape == w.shape:
                 w = out
             bag.set_table(compress_weight(w, bag.dtype, self._codec_options))
+            bag.reset_state()
             del w
 
     def _slots(self) -> List[_Slot]:
@@ -479,19 +725,28 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                                   f"ignore them")
         slots = self._slots()
         key_index = [pos[s.feature] for s in slots]
-        values = pooled_lookup(features, slots, self._is_weighted, "IBPEmbeddingBagCollection", key_index,
-                               self.dedup)
+        who = "IBPEmbeddingBagCollection"
+        if self.trainable and torch.is_grad_enabled() and features.values().device.type != "meta":
+            jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
+            anchor = torch.empty(0, requires_grad=True)
+            values = _FusedSparseUpdate.apply(anchor, self, jobs, b)
+        else:
+            values = pooled_lookup(features, slots, self._is_weighted, who, key_index, self.dedup)
         return KeyedTensor(keys=self._embedding_names, values=values,
                            length_per_key=self._lengths_per_embedding)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # Check every table's entry before any is re-compressed, so a bad checkpoint
+        # Check every table's entries before any is re-compressed, so a bad checkpoint
         # leaves the module as it was.
         for name, bag in self.embedding_bags.items():
             key = f"{prefix}embedding_bags.{name}.weight"
             if key in state_dict:
                 bag.check_weight(key, state_dict[key])
+            for k in bag.optimizer_state:
+                skey = f"{prefix}embedding_bags.{name}.{k}"
+                if skey in state_dict:
+                    bag.check_state_tensor(k, state_dict[skey])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
@@ -501,7 +756,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         Table files get fresh names; the manifest is replaced last (write, fsync,
         rename), so a reader sees either the old checkpoint or the new one. Files of
-        the previous checkpoint are removed afterwards.
+        the previous checkpoint are removed afterwards. A trainable module also writes
+        its optimizer state (one .npy per table and state tensor) and names the
+        optimizer in the manifest.
         """
         if any(b.table is None for b in self.embedding_bags.values()):
             raise RuntimeError("cannot save a meta-device module: it holds no tables")
@@ -514,21 +771,31 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             bag = self.embedding_bags[config.name]
             fname = f"{i:04d}-{_safe(config.name)}.{token}.ibp"
             bag.table.save(path / fname)
-            entries.append({
+            entry = {
                 "name": config.name, "file": fname,
                 "num_embeddings": config.num_embeddings, "embedding_dim": config.embedding_dim,
                 "feature_names": list(config.feature_names), "pooling": config.pooling.value,
                 "data_type": config.data_type.value,
                 "weight_init_min": config.weight_init_min, "weight_init_max": config.weight_init_max,
                 "file_size": (path / fname).stat().st_size,
-            })
+            }
+            if bag.optimizer_state:
+                files = {}
+                for k, v in bag.optimizer_state.items():
+                    sname = f"{i:04d}-{_safe(config.name)}.{token}.{_safe(k)}.npy"
+                    _write_npy(path / sname, v.detach().cpu().numpy())
+                    files[k] = sname
+                entry["optimizer_state"] = files
+            entries.append(entry)
         manifest = {
             "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
             "is_weighted": self._is_weighted, "tables": entries,
             "codec_options": {k: v for k, v in self._codec_options.items() if k != "progress"},
         }
+        if self.trainable:
+            manifest["optimizer"] = {"name": self._optimizer.name, "params": self._optimizer.params()}
         _atomic_write(path / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
-        keep = {e["file"] for e in entries}
+        keep = {e["file"] for e in entries} | {f for e in entries for f in e.get("optimizer_state", {}).values()}
         for f in old - keep:
             try:
                 (path / f).unlink()
@@ -538,31 +805,156 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     @classmethod
     def load_compressed(cls, path, *, mmap: bool = False, verify: bool = True,
                         ignore_extra_features: bool = False, dedup: str = "never",
+                        optimizer: Optional[SparseOptimizer] = None,
+                        repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT, process_group=None,
                         **codec_options: Any) -> "IBPEmbeddingBagCollection":
-        """Open a directory written by save_compressed. mmap=True maps the .ibp files."""
+        """Open a directory written by save_compressed. mmap=True maps the .ibp files
+        (inference only: a trainable module copies its tables into arenas).
+
+        optimizer: None gives an inference module. optimizer="saved" (or an optimizer
+        of the same kind as the one the checkpoint names) gives a trainable module whose
+        optimizer state is restored from the checkpoint; "saved" also restores the saved
+        hyper-parameters. A checkpoint without optimizer state starts from fresh state.
+        Asking for another kind of optimizer than the checkpoint's raises ValueError.
+        """
         path = Path(path)
         manifest = _read_manifest(path)
-        configs, tables = [], {}
+        saved_opt = manifest.get("optimizer")
+        if isinstance(optimizer, str):
+            if optimizer != "saved":
+                raise ValueError(f"optimizer must be a SparseOptimizer, None or 'saved', not {optimizer!r}")
+            if not saved_opt:
+                raise ValueError(f"{path / MANIFEST_NAME}: the checkpoint holds no optimizer (an inference "
+                                 f"checkpoint); pass an optimizer to start training from it")
+            try:
+                optimizer = make_optimizer(saved_opt["name"], **saved_opt.get("params", {}))
+            except (TypeError, ValueError, KeyError) as e:
+                raise ValueError(f"{path / MANIFEST_NAME}: bad optimizer entry {saved_opt!r}: {e}") from None
+        if optimizer is not None and saved_opt and saved_opt.get("name") != optimizer.name:
+            raise ValueError(f"{path / MANIFEST_NAME}: the checkpoint's optimizer state is for "
+                             f"{saved_opt.get('name')!r}, not {optimizer.name!r}")
+        configs, tables, states = [], {}, {}
         for e in manifest["tables"]:
             config = EmbeddingBagConfig(
                 num_embeddings=int(e["num_embeddings"]), embedding_dim=int(e["embedding_dim"]),
                 name=e["name"], feature_names=list(e["feature_names"]),
                 pooling=PoolingType(e["pooling"]), data_type=DataType(e["data_type"]),
                 weight_init_min=e.get("weight_init_min"), weight_init_max=e.get("weight_init_max"))
-            t = load_table(path / e["file"], mmap=mmap, verify=verify)
+            t = load_table(path / e["file"], mmap=mmap and optimizer is None, verify=verify)
             if tuple(t.shape) != (config.num_embeddings, config.embedding_dim):
                 raise ValueError(f"{path / e['file']}: table has shape {tuple(t.shape)}, the manifest "
                                  f"says ({config.num_embeddings}, {config.embedding_dim})")
             configs.append(config)
             tables[config.name] = t
+            if optimizer is not None and e.get("optimizer_state"):
+                states[config.name] = {k: _read_npy(path / f) for k, f in e["optimizer_state"].items()}
         opts = dict(manifest.get("codec_options") or {})
         opts.update(codec_options)
-        return cls(configs, is_weighted=bool(manifest["is_weighted"]),
-                   ignore_extra_features=ignore_extra_features, dedup=dedup, _tables=tables,
-                   **check_codec_options(opts))
+        module = cls(configs, is_weighted=bool(manifest["is_weighted"]),
+                     ignore_extra_features=ignore_extra_features, dedup=dedup, optimizer=optimizer,
+                     repack_drift=repack_drift, process_group=process_group, _tables=tables,
+                     **check_codec_options(opts))
+        for name, st in states.items():
+            bag = module.embedding_bags[name]
+            for k, v in st.items():
+                try:
+                    bag.load_state_tensor(k, torch.from_numpy(v))
+                except RuntimeError as err:
+                    raise ValueError(f"{path}: {err}") from None
+        return module
 
     def extra_repr(self) -> str:
-        return f"is_weighted={self._is_weighted}, device={self._device}, dedup={self.dedup!r}"
+        opt = f", optimizer={self._optimizer!r}" if self.trainable else ""
+        return f"is_weighted={self._is_weighted}, device={self._device}, dedup={self.dedup!r}{opt}"
+
+
+def _packed_nbytes(t: UpdatableTable) -> int:
+    """Bytes t would hold as a packed CompressedTable (live rows, tail pad, offsets
+    index, masks), computed without packing it."""
+    n, row_bytes = t.shape[0], t._row_bytes
+    from .._native import lib
+
+    rel_bytes = int(lib.ibp_rel_bytes(row_bytes))
+    mask_bytes = 2 * t._book.masks.size * (t.word_bits // 8)
+    return int(t.live_bytes + lib.ibp_tail_pad(row_bytes, t.word_bits) + (n // 64 + 1) * 8
+               + (n + 1) * rel_bytes + mask_bytes)
+
+
+def _all_gather_slots(per_slot, pg, weighted: bool):
+    """Every rank's (ids, offsets, weights, grad) per slot, concatenated in rank order."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(pg)
+    if world == 1:
+        return per_slot
+    n_slots = len(per_slot)
+    b = per_slot[0][4].shape[0] if per_slot else 0
+    counts = torch.tensor([b] + [int(it[1].numel()) for it in per_slot], dtype=torch.int64)
+    all_counts = [torch.zeros_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts, group=pg)
+    max_b = max(int(c[0]) for c in all_counts)
+    max_n = max(int(c[1:].sum()) for c in all_counts) if n_slots else 0
+    ids = torch.zeros(max_n, dtype=torch.int64)
+    lengths = torch.zeros(n_slots, max_b, dtype=torch.int64)
+    dims = sum(it[4].shape[1] for it in per_slot)
+    grads = torch.zeros(max_b, dims, dtype=torch.float32)
+    wts = torch.zeros(max_n, dtype=torch.float32)
+    pos = col = 0
+    for i, (_, sid, off, ws, g) in enumerate(per_slot):
+        n = sid.numel()
+        ids[pos:pos + n] = sid
+        if ws is not None:
+            wts[pos:pos + n] = ws
+        lengths[i, :b] = off[1:] - off[:-1]
+        grads[:b, col:col + g.shape[1]] = g
+        pos += n
+        col += g.shape[1]
+    parts = {}
+    for name, t in (("ids", ids), ("lengths", lengths), ("grads", grads), ("w", wts)):
+        if name == "w" and not weighted:
+            continue
+        out = [torch.zeros_like(t) for _ in range(world)]
+        dist.all_gather(out, t, group=pg)
+        parts[name] = out
+    result = []
+    col = 0
+    starts = [0] * world
+    for i, (s, _, _, _, g) in enumerate(per_slot):
+        dim = g.shape[1]
+        ids_i, off_i, w_i, g_i = [], [], [], []
+        total = 0
+        for r in range(world):
+            br, n = int(all_counts[r][0]), int(all_counts[r][1 + i])
+            lo = starts[r]
+            ids_i.append(parts["ids"][r][lo:lo + n])
+            if weighted:
+                w_i.append(parts["w"][r][lo:lo + n])
+            lens = parts["lengths"][r][i, :br]
+            off_i.append(torch.cumsum(lens, 0) + total)
+            total += n
+            g_i.append(parts["grads"][r][:br, col:col + dim])
+            starts[r] += n
+        col += dim
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64)] + off_i)
+        # As TorchRec's pooled all-to-all backward (gradient division, on by default):
+        # the global batch's output gradients divided by the world size.
+        grads_i = torch.cat(g_i).div_(world)
+        result.append((s, torch.cat(ids_i), offsets, torch.cat(w_i) if weighted else None, grads_i))
+    return result
+
+
+def _write_npy(target: Path, array: np.ndarray) -> None:
+    with open(target, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable optimizer state: {e}") from None
 
 
 def _safe(name: str) -> str:
@@ -586,8 +978,9 @@ def _read_manifest(path: Path) -> Dict[str, Any]:
 
 def _manifest_files(path: Path) -> set:
     try:
-        return {e["file"] for e in _read_manifest(path)["tables"]}
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        tables = _read_manifest(path)["tables"]
+        return {e["file"] for e in tables} | {f for e in tables for f in (e.get("optimizer_state") or {}).values()}
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
         return set()
 
 

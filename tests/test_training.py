@@ -1,0 +1,390 @@
+"""Training through IBPEmbeddingBagCollection matches FBGEMM's fused TBE training.
+
+The same model (embedding tables + a tiny dense head, BCE loss) is trained for 200
+steps on the same data from the same initial weights twice:
+
+(a) FBGEMM's SplitTableBatchedEmbeddingBagsCodegen (what TorchRec's ``fused`` kernel
+    runs) on the CPU (HOST placement) with EXACT_SGD or EXACT_ROWWISE_ADAGRAD, fp32;
+(b) IBPEmbeddingBagCollection(optimizer=ibp_embed.optim.SGD / RowWiseAdagrad), whose
+    tables stay IBP-compressed the whole time.
+
+The loss curves, the final tables and the optimizer state must be bit-identical
+(ibp_embed.optim reproduces FBGEMM's CPU arithmetic operation by operation).
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+fbgemm_training = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode  # noqa: E402
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
+from torchrec.modules.embedding_configs import DataType, PoolingType  # noqa: E402
+
+from ibp_embed import _native  # noqa: E402
+from ibp_embed.datasets import zipf_ids  # noqa: E402
+from ibp_embed.optim import SGD, RowWiseAdagrad  # noqa: E402
+from ibp_embed.store import UpdatableTable  # noqa: E402
+from ibp_embed.torchrec import IBPEmbeddingBagCollection  # noqa: E402
+
+SplitTBE = fbgemm_training.SplitTableBatchedEmbeddingBagsCodegen
+ComputeDevice = fbgemm_training.ComputeDevice
+
+STEPS = 200
+B = 32
+LR = 0.05
+# (name, rows, dim, features): t_shared is read by two features (FBGEMM's generic kernel).
+TABLES = [("t0", 500, 16, ["f0"]), ("t1", 2000, 8, ["f1"]), ("t2", 50, 16, ["f2"]),
+          ("t_shared", 300, 12, ["f3", "f4"])]
+FEATURES = [f for t in TABLES for f in t[3]]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny batches: intra-op threads only add contention (and the summation order of
+    # every kernel involved does not depend on the thread count).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _native.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+    _native.set_num_threads(n)
+
+
+def initial_tables(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # normal(0, 0.01): most rows share exponent bits, so IBP really compresses them
+    return [torch.randn(n, d, generator=g) * 0.01 for _, n, d, _ in TABLES]
+
+
+def make_batches(seed, weighted):
+    g = torch.Generator().manual_seed(seed)
+    rows = {f: n for _, n, _, fs in TABLES for f in fs}
+    batches = []
+    for step in range(STEPS):
+        values, lengths = [], []
+        for k, f in enumerate(FEATURES):
+            lens = torch.randint(0, 6, (B,), generator=g)
+            lengths.append(lens)
+            values.append(zipf_ids(int(lens.sum()), rows[f], alpha=1.1, seed=seed * 100003 + step * 31 + k))
+        values, lengths = torch.cat(values), torch.cat(lengths)
+        weights = torch.rand(values.numel(), generator=g) if weighted else None
+        labels = torch.randint(0, 2, (B,), generator=g).float()
+        batches.append((values, lengths, weights, labels))
+    return batches
+
+
+def head(total_dim):
+    torch.manual_seed(1)
+    return torch.nn.Linear(total_dim, 1)
+
+
+def train_fbgemm(opt_type, pooling, weighted, batches):
+    feature_table_map = [i for i, t in enumerate(TABLES) for _ in t[3]]
+    tbe = SplitTBE([(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, n, d, _ in TABLES],
+                   feature_table_map=feature_table_map, optimizer=opt_type, learning_rate=LR, eps=1e-8,
+                   pooling_mode=PoolingMode.MEAN if pooling == "mean" else PoolingMode.SUM,
+                   weights_precision=fbgemm_training.SparseType.FP32)
+    with torch.no_grad():
+        for w, init in zip(tbe.split_embedding_weights(), initial_tables()):
+            w.copy_(init)
+    total_dim = sum(d for _, _, d, fs in TABLES for _ in fs)
+    dense = head(total_dim)
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
+    losses = []
+    for values, lengths, weights, labels in batches:
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+        pooled = tbe(values, offsets, weights)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(dense(pooled).squeeze(1), labels)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        losses.append(loss.detach())
+    tables = [w.detach().clone() for w in tbe.split_embedding_weights()]
+    states = None
+    if opt_type == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        states = [s[0].detach().clone() for s in tbe.split_optimizer_states()]
+    return torch.stack(losses), tables, states
+
+
+def train_ibp(optimizer, pooling, weighted, batches):
+    pool = PoolingType.MEAN if pooling == "mean" else PoolingType.SUM
+    configs = [EmbeddingBagConfig(name=name, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=pool)
+               for name, n, d, fs in TABLES]
+    ebc = IBPEmbeddingBagCollection(configs, is_weighted=weighted, device="meta", optimizer=optimizer)
+    ebc.load_state_dict({f"embedding_bags.{name}.weight": w
+                         for (name, *_), w in zip(TABLES, initial_tables())}, strict=False)
+    total_dim = sum(d for _, _, d, fs in TABLES for _ in fs)
+    dense = head(total_dim)
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
+    losses = []
+    for values, lengths, weights, labels in batches:
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES, values=values, lengths=lengths, weights=weights)
+        pooled = ebc(kjt).values()
+        assert pooled.requires_grad
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(dense(pooled).squeeze(1), labels)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        losses.append(loss.detach())
+    for bag in ebc.embedding_bags.values():
+        assert isinstance(bag.table, UpdatableTable)  # stayed compressed throughout
+    tables = [ebc.embedding_bags[name].weight() for name, *_ in TABLES]
+    states = None
+    if isinstance(optimizer, RowWiseAdagrad):
+        states = [ebc.embedding_bags[name].optimizer_state["momentum1"].clone() for name, *_ in TABLES]
+    return torch.stack(losses), tables, states, ebc
+
+
+CASES = [
+    ("sgd", "sum", False),
+    ("rowwise_adagrad", "sum", False),
+    ("sgd", "mean", False),
+    ("rowwise_adagrad", "sum", True),
+]
+
+
+@pytest.mark.parametrize("opt_name,pooling,weighted", CASES)
+def test_200_steps_match_fbgemm_bit_exact(opt_name, pooling, weighted):
+    batches = make_batches(seed=7, weighted=weighted)
+    if opt_name == "sgd":
+        fb_opt, ibp_opt = EmbOptimType.EXACT_SGD, SGD(LR)
+    else:
+        fb_opt, ibp_opt = EmbOptimType.EXACT_ROWWISE_ADAGRAD, RowWiseAdagrad(LR, eps=1e-8)
+    fb_losses, fb_tables, fb_states = train_fbgemm(fb_opt, pooling, weighted, batches)
+    ibp_losses, ibp_tables, ibp_states, ebc = train_ibp(ibp_opt, pooling, weighted, batches)
+
+    # the model did train (rows moved), and in the same way
+    assert not torch.equal(fb_tables[0], initial_tables()[0])
+    assert torch.equal(ibp_losses, fb_losses), \
+        f"loss curves differ first at step {int(torch.nonzero(ibp_losses != fb_losses)[0])}"
+    for (name, *_), a, b in zip(TABLES, ibp_tables, fb_tables):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"table {name} differs"
+    if fb_states is not None:
+        for (name, *_), a, b in zip(TABLES, ibp_states, fb_states):
+            assert torch.equal(a, b), f"momentum1 of {name} differs"
+
+    stats = ebc.memory_stats()
+    expected_state = sum(n * 4 for _, n, _, _ in TABLES) if fb_states is not None else 0
+    assert stats["optimizer_state_bytes"] == expected_state
+    assert stats["raw_bytes"] == sum(n * d * 4 for _, n, d, _ in TABLES)
+    assert stats["total_bytes"] == stats["compressed_bytes"] + expected_state
+    assert 0 < stats["live_bytes"] <= stats["compressed_bytes"]
+
+
+def test_no_dense_gradient_and_inference_path_unchanged():
+    configs = [EmbeddingBagConfig(name="t", num_embeddings=100, embedding_dim=8, feature_names=["f"])]
+    torch.manual_seed(0)
+    ebc = IBPEmbeddingBagCollection(configs, optimizer=SGD(0.1))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([1, 2, 2, 5]),
+                                              lengths=torch.tensor([3, 1]))
+    before = ebc.embedding_bags["t"].weight()
+    with torch.no_grad():  # no grad mode: a plain lookup, nothing to update
+        out = ebc(kjt).values()
+    assert not out.requires_grad
+    assert list(ebc.parameters()) == []  # no dense table parameter, no dense gradient
+    out = ebc(kjt).values()
+    out.sum().backward()
+    after = ebc.embedding_bags["t"].weight()
+    changed = torch.nonzero((after != before).any(1)).flatten().tolist()
+    assert changed == [1, 2, 5]
+    # row 2 occurs twice in bag 0: gradient 2, SGD step -0.1 * 2
+    torch.testing.assert_close(after[2], before[2] - 0.2, rtol=0, atol=1e-7)
+
+
+def test_update_that_compacts_replans_rows_written_in_place():
+    """Regression: an update that compacts the arena must re-check which rows still fit
+    their (now shrunk) slots; it used to write them in place over their neighbours."""
+    import ibp_embed
+
+    g = torch.Generator().manual_seed(3)
+    n = 2000
+    base = torch.randn(n, 16, generator=g) * 0.01
+    t = UpdatableTable(ibp_embed.compress(base, word_bits=32), repack_drift=None)
+    m = t._book.masks[0].astype(np.uint32)
+    words = np.ascontiguousarray(base.numpy()).view(np.uint32)
+    broken_words = np.flatnonzero(m)
+    assert broken_words.size >= 8
+
+    def broken(k):  # rows whose first k maskable words do not participate: longer rows
+        w = words.copy()
+        for j in broken_words[:k]:
+            w[:, j] ^= m[j] & (~m[j] + np.uint32(1))  # flip the lowest invariant bit
+        return torch.from_numpy(w.view(np.float32))
+
+    ref = base.clone()
+
+    def upd(ids, rows):  # rows: all n rows; rows `ids` of them are written
+        t.update(ids, rows[ids])
+        ref[ids] = rows[ids]
+
+    a, c = torch.arange(0, 1200), torch.arange(1200, n)
+    for k in (2, 4, 6, 8):  # A's rows grow and move four times: the arena fills with dead slots
+        upd(a, broken(k))
+    upd(a, base)  # back to short rows in long slots
+    assert t.dead_bytes > 0.5 * (t.live_bytes + t.dead_bytes)
+    # C grows past its slots (forcing compaction) while A gets rows that fit A's slots
+    # before compaction but not after it
+    rows = torch.cat([broken(4)[a], torch.rand(n - 1200, 16, generator=g) * 1e4 - 5e3])
+    t.update(torch.cat([a, c]), rows)
+    ref[:] = rows
+    assert torch.equal(t.decompress().view(torch.int32), ref.view(torch.int32))
+
+
+def _tiny(optimizer=None, **kw):
+    configs = [EmbeddingBagConfig(name="a", num_embeddings=64, embedding_dim=8, feature_names=["fa"]),
+               EmbeddingBagConfig(name="b", num_embeddings=32, embedding_dim=4, feature_names=["fb", "fc"])]
+    torch.manual_seed(0)
+    return IBPEmbeddingBagCollection(configs, optimizer=optimizer, **kw)
+
+
+def _kjt(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (3 * 5,), generator=g)
+    values = torch.cat([torch.randint(0, 32, (int(lengths[i * 5:(i + 1) * 5].sum()),), generator=g)
+                        for i in range(3)])
+    return KeyedJaggedTensor.from_lengths_sync(keys=["fa", "fb", "fc"], values=values, lengths=lengths)
+
+
+def _train(ebc, steps=5, start=0):
+    for s in range(start, start + steps):
+        ebc(_kjt(s)).values().pow(2).sum().backward()
+
+
+def test_optimizer_state_in_state_dict_and_compressed_checkpoints(tmp_path):
+    ebc = _tiny(RowWiseAdagrad(0.1))
+    _train(ebc)
+    sd = ebc.state_dict()
+    assert set(sd) == {"embedding_bags.a.weight", "embedding_bags.a.momentum1",
+                       "embedding_bags.b.weight", "embedding_bags.b.momentum1"}
+    assert sd["embedding_bags.a.momentum1"].shape == (64,) and sd["embedding_bags.a.momentum1"].any()
+    # state_dict round trip into a fresh trainable module continues identically
+    other = _tiny(RowWiseAdagrad(0.1))
+    other.load_state_dict(sd)
+    # save_compressed / load_compressed keep tables and optimizer state
+    ebc.save_compressed(tmp_path / "ck")
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["optimizer"] == {"name": "rowwise_adagrad", "params": {"lr": 0.1, "eps": 1e-8}}
+    loaded = IBPEmbeddingBagCollection.load_compressed(tmp_path / "ck", optimizer="saved")
+    assert loaded.optimizer == RowWiseAdagrad(0.1)
+    for m in (other, loaded):
+        for name, bag in ebc.embedding_bags.items():
+            assert torch.equal(m.embedding_bags[name].weight(), bag.weight())
+            assert torch.equal(m.embedding_bags[name].optimizer_state["momentum1"], bag.optimizer_state["momentum1"])
+    for m in (ebc, other, loaded):
+        _train(m, 3, start=5)
+    for m in (other, loaded):
+        for name, bag in ebc.embedding_bags.items():
+            assert torch.equal(m.embedding_bags[name].weight(), bag.weight())
+    # an inference load of the same checkpoint ignores the state; another optimizer kind is refused
+    inf = IBPEmbeddingBagCollection.load_compressed(tmp_path / "ck")
+    assert not inf.trainable and inf.memory_stats()["optimizer_state_bytes"] == 0
+    with pytest.raises(ValueError, match="rowwise_adagrad"):
+        IBPEmbeddingBagCollection.load_compressed(tmp_path / "ck", optimizer=SGD(0.1))
+    # a plain TorchRec EBC round trip drops the optimizer state
+    plain = loaded.to_embedding_bag_collection()
+    assert set(plain.state_dict()) == {"embedding_bags.a.weight", "embedding_bags.b.weight"}
+    fresh = IBPEmbeddingBagCollection.from_embedding_bag_collection(plain, optimizer=SGD(0.5))
+    assert fresh.trainable and fresh.memory_stats()["optimizer_state_bytes"] == 0
+    assert torch.equal(fresh.embedding_bags["a"].weight(), loaded.embedding_bags["a"].weight())
+
+
+def test_memory_figures_and_trainable_checks():
+    ebc = _tiny(RowWiseAdagrad(0.1))
+    _train(ebc)
+    s = ebc.memory_stats()
+    assert s["raw_bytes"] == 64 * 8 * 4 + 32 * 4 * 4
+    assert s["optimizer_state_bytes"] == (64 + 32) * 4 == ebc.optimizer_state_nbytes
+    assert s["compressed_bytes"] == ebc.compressed_nbytes
+    assert s["total_bytes"] == s["compressed_bytes"] + s["optimizer_state_bytes"]
+    assert s["index_bytes"] == (64 + 32) * 16
+    assert s["live_bytes"] <= s["arena_bytes"] and s["compressed_bytes"] >= s["arena_bytes"] + s["index_bytes"]
+    packed = ebc.embedding_bags["a"].table.to_table()
+    assert packed.nbytes == __import__("ibp_embed.torchrec.modules", fromlist=["x"])._packed_nbytes(
+        ebc.embedding_bags["a"].table)
+    inference = _tiny()
+    assert inference.memory_stats()["optimizer_state_bytes"] == 0 and not inference.trainable
+    out = inference(_kjt(0)).values()
+    assert not out.requires_grad  # the inference path is unchanged
+    with pytest.raises(ValueError, match="FP32"):
+        IBPEmbeddingBagCollection([EmbeddingBagConfig(name="h", num_embeddings=8, embedding_dim=4,
+                                                      feature_names=["h"], data_type=DataType.FP16)],
+                                  optimizer=SGD(0.1))
+    with pytest.raises(TypeError, match="SparseOptimizer"):
+        _tiny(torch.optim.SGD)
+    out = ebc(_kjt(1)).values().sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.backward()
+
+
+def _replica_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    configs = [EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa"]),
+               EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=4, feature_names=["fb", "fc"],
+                                  pooling=PoolingType.MEAN)]
+    ebc = IBPEmbeddingBagCollection(configs, is_weighted=True, device="meta", optimizer=RowWiseAdagrad(0.1),
+                                    process_group=dist.group.WORLD)
+    g = torch.Generator().manual_seed(0)
+    ebc.load_state_dict({"embedding_bags.a.weight": torch.randn(40, 8, generator=g) * 0.01,
+                         "embedding_bags.b.weight": torch.randn(30, 4, generator=g) * 0.01}, strict=False)
+    for step in range(6):
+        kjt, coef = _replica_batch(step, rank)
+        (ebc(kjt).values() * coef).sum().backward()
+    torch.save({n: (b.weight(), b.optimizer_state["momentum1"]) for n, b in ebc.embedding_bags.items()},
+               f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _replica_batch(step, rank):
+    """Rank `rank`'s batch at `step`: uneven batch sizes (3 and 5), weighted ids."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    b = 3 + 2 * rank
+    lengths = torch.randint(0, 4, (3 * b,), generator=g)
+    values = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.numel(), generator=g)
+    coef = torch.randn(b, 16, generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(keys=["fa", "fb", "fc"], values=values, lengths=lengths,
+                                               weights=weights), coef
+
+
+def test_replicated_tables_across_ranks_stay_identical_and_match_one_process(tmp_path):
+    """process_group mode: 2 gloo ranks, uneven weighted batches, a MEAN table read by two
+    features: both replicas equal each other and one process training on the global batch
+    (rank order, gradients divided by the world size as TorchRec does)."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_replica_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(world))
+    configs = [EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa"]),
+               EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=4, feature_names=["fb", "fc"],
+                                  pooling=PoolingType.MEAN)]
+    one = IBPEmbeddingBagCollection(configs, is_weighted=True, device="meta", optimizer=RowWiseAdagrad(0.1))
+    g = torch.Generator().manual_seed(0)
+    one.load_state_dict({"embedding_bags.a.weight": torch.randn(40, 8, generator=g) * 0.01,
+                         "embedding_bags.b.weight": torch.randn(30, 4, generator=g) * 0.01}, strict=False)
+    for step in range(6):
+        parts = [_replica_batch(step, r) for r in range(world)]
+        keys = ["fa", "fb", "fc"]
+        values, lengths, weights = [], [], []
+        for k in range(3):  # feature-major, then rank order: the global batch
+            for kjt, _ in parts:
+                jt = kjt[keys[k]]
+                values.append(jt.values())
+                lengths.append(jt.lengths())
+                weights.append(jt.weights())
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
+                                                  weights=torch.cat(weights))
+        coef = torch.cat([c for _, c in parts]) / world
+        (one(kjt).values() * coef).sum().backward()
+    for name, bag in one.embedding_bags.items():
+        for a, b, c in zip(r0[name], r1[name], (bag.weight(), bag.optimizer_state["momentum1"])):
+            assert torch.equal(a, b) and torch.equal(a, c), name
