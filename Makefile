@@ -9,7 +9,9 @@ LIB := $(BUILD)/libibp.so
 CUDA_LIB := $(BUILD)/libibp_cuda.so
 
 CC ?= gcc
-CFLAGS_LIB := -O3 -std=gnu11 -fPIC -fopenmp -Wall -Wextra -Werror -Wno-unused-function
+# No implicit fused multiply-adds: results must not depend on the ISA or -O level
+# (weighted pooling uses fmaf explicitly, as FBGEMM does).
+CFLAGS_LIB := -O3 -std=gnu11 -fPIC -fopenmp -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-function
 NVCC := $(shell command -v nvcc 2>/dev/null)
 # fbgemm must match torch 2.13.0 exactly (GUIDE section 3): the CPU build unless a GPU driver is present.
 FBGEMM := $(if $(shell command -v nvidia-smi 2>/dev/null),fbgemm-gpu==1.8.0,fbgemm-gpu-cpu==1.8.0)
@@ -50,7 +52,7 @@ $(BUILD)/isa_v3.o: native/ibp_isa_v3.c $(HEADERS) | $(BUILD)
 $(BUILD)/isa_avx512.o: native/ibp_isa_avx512.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v4 -mavx512vbmi -mavx512vpopcntdq -c $< -o $@
 $(LIB): $(BUILD)/ibp.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_avx512.o
-	$(CC) -shared -fopenmp $^ -o $@
+	$(CC) -shared -fopenmp $^ -o $@ -lm
 $(BUILD):
 	mkdir -p $@
 

@@ -3,9 +3,9 @@
 Layout of a checkpoint directory DIR::
 
     DIR/LATEST                    name of the newest complete checkpoint (replaced atomically)
-    DIR/step-00000200/meta.json   format, version, backend, model config, step, world size, ...
-    DIR/step-00000200/dense.pt    dense parameters + dense optimizer state (rank 0)
-    DIR/step-00000200/tables/     ibp backend: IBPEmbeddingBagCollection.save_compressed
+    DIR/step-00000200.<id>/meta.json  format, version, backend, model config, step, world size, ...
+    DIR/step-00000200.<id>/dense.pt   dense parameters + dense optimizer state (rank 0)
+    DIR/step-00000200.<id>/tables/    ibp backend: IBPEmbeddingBagCollection.save_compressed
                                   (one .ibp per table, optimizer state .npy, manifest.json)
                                   torchrec backend: per rank, each local table compressed to
                                   .ibp + its fused-optimizer state (.npy) + tables-rank<r>.json
@@ -84,9 +84,8 @@ def commit(root: Path, tmp: Path, step: int, meta: Dict[str, Any]) -> Path:
     with open(tmp / "meta.json", "w") as f:
         json.dump(meta, f, indent=1)
     _fsync_tree(tmp)
-    final = root / step_name(step)
-    if final.exists():  # a re-run of the same step: replace it
-        shutil.rmtree(final)
+    # A unique name: re-saving a step never replaces the directory LATEST still names.
+    final = root / f"{step_name(step)}.{secrets.token_hex(4)}"
     os.rename(tmp, final)
     _fsync_dir(root)
     tmp_latest = root / f".LATEST.{secrets.token_hex(4)}.tmp"

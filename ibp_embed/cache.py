@@ -48,6 +48,11 @@ class RowCache:
                  policy: str = "lru", device=None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+        from .store import UpdatableTable
+
+        if isinstance(table, UpdatableTable):  # its rows change under the cache
+            raise TypeError("RowCache needs an immutable table; an UpdatableTable's rows change "
+                            "and the cache would serve stale rows")
         n_rows, dim = (int(s) for s in table.shape)
         if capacity is None:
             if not 0.0 <= load_factor:

@@ -44,14 +44,15 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
     """
     rows, dtype, dim = as_rows(weights)
     n_rows, row_bytes = rows.shape
-    if word_bits is not None and word_bits not in WORD_BITS:
+    if word_bits is not None and (isinstance(word_bits, bool) or not isinstance(word_bits, (int, np.integer))
+                                  or word_bits not in WORD_BITS):
         raise ValueError(f"word_bits must be one of {WORD_BITS} or None, not {word_bits!r}")
     if isinstance(clusters, bool) or not isinstance(clusters, (int, np.integer)) or not 1 <= clusters <= 256:
         raise ValueError(f"clusters must be an integer in 1..256, not {clusters!r}")
     if threshold is not None and not 0.5 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0.5, 1], not {threshold!r}")
-    if sample_rows < 1:
-        raise ValueError("sample_rows must be positive")
+    if isinstance(sample_rows, bool) or not isinstance(sample_rows, (int, np.integer)) or sample_rows < 1:
+        raise ValueError(f"sample_rows must be a positive integer, not {sample_rows!r}")
     if lib.ibp_rel_bytes(row_bytes) == 0:
         raise ValueError(f"rows of {row_bytes} bytes are too large to index")
     if progress is None:

@@ -272,7 +272,7 @@ class CudaTable:
                     ffi.cast("void *", out.data_ptr()), _stream(self._device), flags)
             if rc == self._lib.IBP_CUDA_E_INDEX:
                 _raise_range(flat, n_rows)
-            check_rc(rc, "gather", self._lib)
+            check(rc, "gather", self._lib)
         return out.view(self.dtype).reshape(*idx.shape, dim)
 
     def lookup(self, indices, offsets, per_sample_weights=None, mode: str = "sum", *,
@@ -309,7 +309,7 @@ class CudaTable:
         flags = (lib.IBP_CUDA_DEDUP if dedup else 0) | (lib.IBP_CUDA_CHECK if check else 0)
         with torch.cuda.device(self._device):
             need = ffi.new("uint64_t *")
-            check_rc(lib.ibp_cuda_lookup_workspace(self._handle(), idx.numel(), flags, need),
+            check(lib.ibp_cuda_lookup_workspace(self._handle(), idx.numel(), flags, need),
                      "lookup workspace", lib)
             ws = torch.empty(int(need[0]), dtype=torch.uint8, device=self._device) if need[0] else None
             rc = lib.ibp_cuda_lookup(
@@ -322,23 +322,14 @@ class CudaTable:
                 int(need[0]), _stream(self._device), flags)
         if rc == lib.IBP_CUDA_E_INDEX:
             _raise_range(idx, self.shape[0])
-        check_rc(rc, "lookup", lib)
+        check(rc, "lookup", lib)
         return out
-
-
-def check_rc(rc: int, what: str, lib) -> None:
-    check(rc, what, lib)
 
 
 def _raise_range(idx: torch.Tensor, n_rows: int) -> None:
     bad = idx[(idx < 0) | (idx >= n_rows)]
     if bad.numel():
         raise IndexError(f"row index {int(bad[0])} out of range for a table of {n_rows} rows")
-
-
-def to_device(table, device="cuda", placement: str = "host") -> CudaTable:
-    """Place a CompressedTable on a CUDA device (what CompressedTable.to("cuda") does)."""
-    return CudaTable(table, device, placement)
 
 
 # ---- the kernels' code run on the host (tests without a GPU) ----

@@ -38,7 +38,7 @@ def check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"dtype {dtype} is not supported: elements must be 1, 2, 4 or 8 bytes, not complex")
 
 
-def as_rows(weights) -> tuple[np.ndarray, torch.dtype, int]:
+def as_rows(weights, name: str = "weights") -> tuple[np.ndarray, torch.dtype, int]:
     """(rows as a C-contiguous uint8 [N, D * itemsize] array, dtype, D) of a 2-D tensor or array.
 
     No copy is made when the input is already contiguous on the CPU.
@@ -48,13 +48,17 @@ def as_rows(weights) -> tuple[np.ndarray, torch.dtype, int]:
             raise TypeError(f"NumPy dtype {weights.dtype} is not supported")
         weights = torch.from_numpy(np.ascontiguousarray(weights))
     if not isinstance(weights, torch.Tensor):
-        raise TypeError(f"weights must be a 2-D torch.Tensor or numpy.ndarray, not {type(weights).__name__}")
+        raise TypeError(f"{name} must be a 2-D torch.Tensor or numpy.ndarray, not {type(weights).__name__}")
     if weights.dim() != 2:
-        raise ValueError(f"weights must be 2-D [rows, dim], got shape {tuple(weights.shape)}")
+        raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(weights.shape)}")
     check_dtype(weights.dtype)
     if weights.shape[1] == 0:
-        raise ValueError("weights must have at least one column")
+        raise ValueError(f"{name} must have at least one column")
+    if weights.device.type == "meta":
+        raise ValueError(f"{name} on the meta device have no values to compress")
     t = weights.detach().to("cpu").contiguous()
+    if t.shape[0] == 0:  # an empty tensor may keep zero strides, which view() rejects
+        return np.empty((0, t.shape[1] * t.element_size()), np.uint8), t.dtype, int(t.shape[1])
     rows = t.view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size()).numpy()
     return rows, t.dtype, int(t.shape[1])
 

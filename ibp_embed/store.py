@@ -34,10 +34,6 @@ class UpdatableTable(TableReads):
         self._repack_drift = repack_drift
         self._load(table)
 
-    @classmethod
-    def from_weights(cls, weights, **codec_options) -> "UpdatableTable":
-        return cls(compress(weights, **codec_options))
-
     def _load(self, table: CompressedTable) -> None:
         self._shape, self._dtype = table.shape, table.dtype
         self._row_bytes = table._row_bytes
@@ -123,7 +119,7 @@ class UpdatableTable(TableReads):
         """Replace rows `ids` (distinct) with `rows` ([len(ids), D], the table's dtype)."""
         idx = _as_index_array(ids, "ids").reshape(-1)
         _check_range(idx, self._shape[0])
-        raw, dtype, dim = as_rows(rows)
+        raw, dtype, dim = as_rows(rows, "rows")
         if dtype != self._dtype or dim != self._shape[1] or raw.shape[0] != idx.size:
             raise ValueError(f"rows must be [{idx.size}, {self._shape[1]}] of {self._dtype}, "
                              f"got [{raw.shape[0]}, {dim}] of {dtype}")

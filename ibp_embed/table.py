@@ -49,7 +49,7 @@ class TableReads:
         """
         if self._dtype not in LOOKUP_DTYPES:
             raise TypeError(f"pooled lookup needs a float32, float16 or bfloat16 table, not {self._dtype}")
-        if mode not in _MODES:
+        if not isinstance(mode, str) or mode not in _MODES:
             raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
         if _ndim(indices) != 1:
             raise ValueError("indices must be 1-D")
@@ -67,7 +67,8 @@ class TableReads:
         if per_sample_weights is not None:
             w = _as_float_array(per_sample_weights)
             if _ndim(per_sample_weights) != 1 or w.shape != idx.shape:
-                raise ValueError(f"per_sample_weights has shape {w.shape}, indices {idx.shape}")
+                raise ValueError(f"per_sample_weights must be 1-D like indices {idx.shape}, got shape "
+                                 f"{tuple(np.shape(per_sample_weights))}")
             weights = _native.ptr(w, "const float *")
         n_bags = off.size - 1
         out = torch.empty((n_bags, self._shape[1]), dtype=torch.float32)
@@ -245,6 +246,8 @@ def _as_index_array(x, name: str) -> np.ndarray:
             raise TypeError(f"{name} must be integers, got {x.dtype}")
         return np.asarray(x.detach().to("cpu", torch.int64).numpy(), order="C")  # keeps 0-d
     a = np.asarray(x)
+    if a.dtype == object and a.size and all(isinstance(v, int) for v in a.reshape(-1)):
+        raise IndexError(f"{name} out of range: {max(a.reshape(-1), key=abs)} does not fit in int64")
     if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integers, got {a.dtype}")
     if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:

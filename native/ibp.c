@@ -9,6 +9,7 @@
 #include "ibp_internal.h"
 
 static int g_threads = 0; /* 0: OpenMP's default */
+#define IBP_HIST_MAX_ROW_BYTES 8192 /* bit counting by byte histograms up to 16 MB a thread */
 
 int ibp_abi_version(void) { return IBP_ABI_VERSION; }
 int ibp_format_version(void) { return IBP_FORMAT_VERSION; }
@@ -96,7 +97,8 @@ uint32_t ibp_rel_bytes(uint32_t row_bytes)
 
 static uint32_t crc_table[256];
 
-static void crc_init_table(void)
+/* Built when the library loads: a lazy build would race with concurrent callers. */
+__attribute__((constructor)) static void crc_init_table(void)
 {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
@@ -108,8 +110,6 @@ static void crc_init_table(void)
 
 static uint32_t crc32c_portable(uint32_t c, const uint8_t *p, size_t n)
 {
-    if (!crc_table[1])
-        crc_init_table();
     while (n--)
         c = crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
     return c;
@@ -202,30 +202,47 @@ int ibp_bit_counts(const uint8_t *rows, uint64_t n_rows, uint32_t row_bytes,
     memset(counts, 0, (size_t)M * word_bits * sizeof(uint64_t));
     int err = IBP_OK;
     /* Per thread, a 256-bin histogram per byte position: one increment per byte
-     * instead of one per bit; bits are summed out of the histograms at the end. */
+     * instead of one per bit; bits are summed out of the histograms at the end.
+     * Rows too wide for that (2 KB of histogram a byte) count bit by bit. */
+    const int by_hist = row_bytes <= IBP_HIST_MAX_ROW_BYTES;
+    const size_t cells = by_hist ? (size_t)row_bytes * 256 : (size_t)row_bytes * 8;
 #pragma omp parallel num_threads(ibp_threads()) if (n >= 4096)
     {
-        uint64_t *hist = calloc((size_t)row_bytes * 256, sizeof(uint64_t));
-        if (!hist) {
+        uint64_t *local = calloc(cells, sizeof(uint64_t));
+        if (!local)
             __atomic_store_n(&err, IBP_E_NOMEM, __ATOMIC_RELAXED);
-        } else {
 #pragma omp for schedule(static)
-            for (uint64_t s = 0; s < n; s++) {
-                const uint8_t *row = rows + (uint64_t)(sel ? (uint64_t)sel[s] : s) * row_bytes;
+        for (uint64_t s = 0; s < n; s++) {
+            if (!local)
+                continue; /* every thread must reach the loop; the error is set */
+            const uint8_t *row = rows + (uint64_t)(sel ? (uint64_t)sel[s] : s) * row_bytes;
+            if (by_hist)
                 for (uint32_t c = 0; c < row_bytes; c++)
-                    hist[(size_t)c * 256 + row[c]]++;
-            }
+                    local[(size_t)c * 256 + row[c]]++;
+            else
+                for (uint32_t c = 0; c < row_bytes; c++)
+                    for (uint32_t b = 0; b < 8; b++)
+                        local[(size_t)c * 8 + b] += row[c] >> b & 1;
+        }
+        if (local) {
 #pragma omp critical
-            for (uint32_t c = 0; c < row_bytes; c++)
+            for (uint32_t c = 0; c < row_bytes; c++) {
+                /* byte c, bit b is word c / B, bit 8 (c % B) + b: index c * 8 + b */
+                if (!by_hist) {
+                    for (uint32_t b = 0; b < 8; b++)
+                        counts[(size_t)c * 8 + b] += local[(size_t)c * 8 + b];
+                    continue;
+                }
                 for (uint32_t v = 1; v < 256; v++) {
-                    uint64_t h = hist[(size_t)c * 256 + v];
+                    uint64_t h = local[(size_t)c * 256 + v];
                     if (!h)
                         continue;
                     for (uint32_t b = 0; b < 8; b++)
                         if (v >> b & 1)
-                            counts[(size_t)c * 8 + b] += h; /* byte c, bit b = word c/B, bit 8(c%B)+b */
+                            counts[(size_t)c * 8 + b] += h;
                 }
-            free(hist);
+            }
+            free(local);
         }
     }
     return err;
@@ -253,11 +270,12 @@ int ibp_word_costs(const uint8_t *rows, uint64_t n_rows, uint32_t row_bytes, uin
 #pragma omp parallel num_threads(ibp_threads()) if (n >= 1024)
     {
         uint64_t *local = calloc(nc ? nc : 1, sizeof(uint64_t));
-        if (!local) {
+        if (!local)
             __atomic_store_n(&err, IBP_E_NOMEM, __ATOMIC_RELAXED);
-        } else {
 #pragma omp for schedule(static)
             for (uint64_t s = 0; s < n; s++) {
+                if (!local)
+                    continue; /* every thread must reach the loop; the error is set */
                 const uint8_t *row = rows + (uint64_t)(sel ? (uint64_t)sel[s] : s) * row_bytes;
                 for (uint32_t j = 0; j < M; j++) {
                     uint64_t w = 0;
@@ -269,6 +287,7 @@ int ibp_word_costs(const uint8_t *rows, uint64_t n_rows, uint32_t row_bytes, uin
                     }
                 }
             }
+        if (local) {
 #pragma omp critical
             for (size_t q = 0; q < nc; q++)
                 costs[q] += local[q];

@@ -670,3 +670,33 @@ def test_lookup_row_cache_collisions_and_repeats():
     off = torch.arange(0, 60001, 30)
     want = torch.nn.functional.embedding_bag(idx, w, off[:-1], mode="sum")
     assert torch.equal(t.lookup(idx, off), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_lookup_is_identical_on_every_kernel_set(dtype, mode):
+    """Pooling rounds the same whatever the ISA (weighted sums use one fused multiply-add
+    per element everywhere), so results do not depend on the CPU."""
+    from ibp_embed._native import lib
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(500, 24, generator=g) * 0.1).to(dtype)
+    t = ibp_embed.compress(w)
+    idx = torch.randint(0, 500, (300,), generator=g)
+    off = torch.arange(0, 301, 10)
+    psw = torch.rand(300, generator=g) * 3
+    before = lib.ibp_isa()
+    try:
+        outs = []
+        for isa in range(before + 1):
+            assert lib.ibp_set_isa(isa) == 0
+            outs.append((t.lookup(idx, off, psw, mode=mode), t.lookup(idx, off, mode=mode)))
+    finally:
+        lib.ibp_set_isa(before)
+    for weighted, plain in outs[1:]:
+        assert torch.equal(weighted, outs[0][0]) and torch.equal(plain, outs[0][1])
+
+
+def test_compress_empty_tensor_with_zero_strides():
+    t = ibp_embed.compress(torch.from_numpy(np.zeros((0, 4), np.float32)))
+    assert t.shape == (0, 4) and t.decompress().shape == (0, 4)

@@ -173,7 +173,7 @@ def test_checkpoint_resume_is_exact(tmp_path, capsys, backend):
     assert final_line(resumed) == final_line(straight)
     # the tables of both checkpoints are identical files' contents
     a, b = ckpt.latest(tmp_path / "a"), ckpt.latest(tmp_path / "b")
-    assert a.name == b.name == "step-00000006"
+    assert a.name.split(".")[0] == b.name.split(".")[0] == "step-00000006"
     if backend == "ibp":
         from ibp_embed.torchrec import IBPEmbeddingBagCollection
 
@@ -204,7 +204,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, capsys, monkeypat
     rc, out, err = run_main(base, capsys)
     assert rc == train.EXIT_INTERRUPTED
     assert "interrupted after step 4" in err and "--resume" in err
-    assert ckpt.latest(tmp_path / "c").name == "step-00000004"
+    assert ckpt.latest(tmp_path / "c").name.startswith("step-00000004.")
     monkeypatch.setattr(GeneratedData, "train_batch", orig)
     rc, resumed, _ = run_main(base + ["--resume"], capsys)
     assert rc == 0

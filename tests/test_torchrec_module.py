@@ -423,3 +423,34 @@ def test_config_errors():
                                                           feature_names=["a"])], device=torch.device("meta"))
     with pytest.raises(ValueError, match="meta"):
         IBPEmbeddingBagCollection.from_embedding_bag_collection(meta_ebc)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dedup_paths_give_identical_results(weighted):
+    """Deduplicated pooling must equal the native fused path bit for bit, MEAN included
+    (both scale the sum by 1/length), so dedup="auto" never changes an output."""
+    tables = make_tables(pooling_mix=True)
+    ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
+    kjt = random_kjt(tables, 16, np.random.default_rng(7), weighted=weighted)
+    never = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup="never")(kjt).values()
+    always = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup="always")(kjt).values()
+    assert torch.equal(never, always)
+
+
+def test_manifest_entries_cannot_name_files_outside_the_directory(tmp_path):
+    """A tampered manifest must not make save_compressed delete, or load_compressed
+    read, a file outside the checkpoint directory."""
+    tables = make_tables()
+    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(EmbeddingBagCollection(tables))
+    ckpt = tmp_path / "ckpt"
+    ibp.save_compressed(ckpt)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["tables"][0]["file"] = str(victim)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="plain file name"):
+        IBPEmbeddingBagCollection.load_compressed(ckpt)
+    ibp.save_compressed(ckpt)  # replaces the tampered manifest
+    assert victim.read_text() == "keep me"
+    IBPEmbeddingBagCollection.load_compressed(ckpt)

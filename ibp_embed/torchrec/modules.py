@@ -192,10 +192,10 @@ def _lookup_one(s: _Slot, ids: np.ndarray, bag_off: np.ndarray, w: Optional[np.n
             if rows.dtype != torch.float32:
                 rows = rows.float()
             off_t = torch.from_numpy(bag_off)
-            if w is None:
-                return torch.nn.functional.embedding_bag(inv, rows, off_t, mode=s.mode, include_last_offset=True)
-            out = torch.nn.functional.embedding_bag(inv, rows, off_t, mode="sum", include_last_offset=True,
-                                                    per_sample_weights=torch.from_numpy(w))
+            # MEAN as the native kernel does it: sum, then times 1/length (torch divides)
+            out = torch.nn.functional.embedding_bag(
+                inv, rows, off_t, mode="sum", include_last_offset=True,
+                per_sample_weights=None if w is None else torch.from_numpy(w))
             if s.mode == "mean":
                 lengths = torch.from_numpy(np.diff(bag_off)).clamp_(min=1).to(torch.float32)
                 out *= (1.0 / lengths)[:, None]
@@ -973,6 +973,16 @@ def _read_manifest(path: Path) -> Dict[str, Any]:
     if manifest.get("version") != MANIFEST_VERSION:
         raise ValueError(f"{path / MANIFEST_NAME}: manifest version {manifest.get('version')} "
                          f"(this build reads {MANIFEST_VERSION})")
+    # Files are read, and replaced ones deleted, by name: only plain names inside
+    # the directory are accepted, never a path that could reach elsewhere.
+    try:
+        names = [e["file"] for e in manifest["tables"]] + [
+            f for e in manifest["tables"] for f in (e.get("optimizer_state") or {}).values()]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path / MANIFEST_NAME}: malformed table list: {e}") from None
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"{path / MANIFEST_NAME}: file entry {name!r} is not a plain file name")
     return manifest
 
 
