@@ -73,6 +73,7 @@ test: all
 	$(PY) -m pytest -q tests
 
 bench: all
+	$(PY) -m benchmarks.lookup $(ARGS)
 	$(PY) -m benchmarks.codec $(ARGS)
 
 clean:

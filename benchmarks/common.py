@@ -46,8 +46,9 @@ def _version(module: str) -> str | None:
         return None
 
 
-def machine_info() -> dict:
-    """CPU, cores, memory, library versions and the git commit, for a results file."""
+def machine_info(extra_versions: tuple = ()) -> dict:
+    """CPU, cores, memory, library versions (plus those of `extra_versions` modules) and
+    the git commit, for a results file."""
     from ibp_embed import _native
 
     mem_total = None
@@ -81,7 +82,8 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {m: _version(m) for m in
-                     ("torch", "numpy", "ibp_embed", "zstandard", "lz4", "blosc2", "fbgemm_gpu", "torchrec")},
+                     ("torch", "numpy", "ibp_embed", "zstandard", "lz4", "blosc2", "fbgemm_gpu", "torchrec",
+                      *extra_versions)},
         "ibp_isa": ["generic", "x86-64-v3", "avx512"][_native.lib.ibp_isa()],
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(dirty) if dirty is not None else None,
@@ -116,6 +118,30 @@ def time_runs(fn, repeats: int = 5, warmup: int = 1) -> dict:
         fn()
         times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+
+
+def time_interleaved(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
+    """Time several callables in rounds (a, b, c, a, b, c, ...) so that a change of machine
+    load over the run hits each of them alike (fairer pairwise ratios on a shared machine).
+    Returns {name: {"median_s", "min_s", "times_s"}} like time_runs."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "times_s": t} for name, t in times.items()}
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages as a string ('?' where unavailable)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 class Stopwatch:

@@ -1,0 +1,107 @@
+"""The lookup benchmark's harness on a tiny configuration (seconds), and its byte-count model
+checked by hand."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ibp_embed  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks import lookup as L  # noqa: E402
+
+
+def test_host_bytes_model_by_hand():
+    # two tables: rows of 16 and 8 bytes; stored lengths given per row
+    lengths = [np.array([10, 20, 30, 16, 5]), np.array([8, 3])]
+    ids = [np.array([1, 1, 2, 1, 4]), np.array([0, 0, 0])]
+    got = L.batch_host_bytes(ids, [16, 8], lengths, index_bytes=[12, 12])
+    # FBGEMM UVM: every occurrence reads a whole raw row
+    assert got["uvm"] == 5 * 16 + 3 * 8
+    # deduplicated raw rows: {1, 2, 4} and {0}
+    assert got["dedup_raw"] == 3 * 16 + 1 * 8
+    # ibp: distinct rows once at their stored length, plus 12 index bytes each
+    assert got["ibp"] == (20 + 30 + 5 + 3 * 12) + (8 + 12)
+    assert (got["ids"], got["distinct"]) == (8, 4)
+    # precomputed distinct ids give the same answer
+    assert L.batch_host_bytes(ids, [16, 8], lengths, [12, 12], uniques=[np.unique(i) for i in ids]) == got
+    # without stored lengths there is no ibp figure
+    assert "ibp" not in L.batch_host_bytes(ids, [16, 8])
+
+
+def test_host_bytes_model_on_a_real_table():
+    w = torch.randn(64, 16) * 0.01
+    t = ibp_embed.compress(w, word_bits=64, progress=False)
+    lengths = t.row_lengths()
+    assert lengths.shape == (64,) and int(lengths.sum()) <= t.nbytes
+    ids = np.array([5, 5, 5, 0, 63, 0])
+    idx = L.index_bytes_per_row(64)
+    got = L.batch_host_bytes([ids], [64], [lengths], [idx])
+    assert got["uvm"] == 6 * 64
+    assert got["ibp"] == int(lengths[5] + lengths[0] + lengths[63]) + 3 * idx
+    assert idx == 8 + 2 * int(ibp_embed._native.lib.ibp_rel_bytes(64))
+
+
+def test_workloads_and_tables():
+    assert L.CENTER.name == "B4096 P20 Zipf 1.05"
+    assert L.Workload(16, "dlrmv2", None).poolings(26) == list(L.datasets.DLRMV2_MULTI_HOT)
+    rows = L.criteo_rows(0.01)
+    assert len(rows) == 26 and rows[8] == 3 and rows[2] == 101312  # tiny tables keep their size
+    b = L.make_batch([50, 7], L.Workload(4, 3, 1.05), seed=0, perm_seeds=[0, 1])
+    assert b.values.numel() == 24 and b.offsets.tolist() == list(range(0, 25, 3))
+    assert [f[0].size for f in b.features] == [12, 12] and b.features[1][1].tolist() == [0, 3, 6, 9, 12]
+    assert all(np.array_equal(u, np.unique(f[0])) for u, f in zip(b.uniques, b.features))
+
+
+def test_load_trained_tables(tmp_path):
+    sd = {"sparse.embedding_bags.t0.weight": torch.randn(30, 8), "dense.mlp.0.weight": torch.randn(4, 4)}
+    torch.save({"model": sd}, tmp_path / "ckpt.pt")
+    ibp_embed.compress(torch.randn(20, 4).to(torch.bfloat16), progress=False).save(tmp_path / "t1.ibp")
+    tables = dict(L.load_trained_tables(tmp_path))
+    assert sorted(tables) == ["ckpt.pt:model.sparse.embedding_bags.t0.weight", "t1.ibp"]
+    sets = L.trained_table_sets(tmp_path)
+    assert sorted((s.name, tuple(s.rows)) for s in sets) == [("dir-bf16", (20,)), ("dir-fp32", (30,))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_harness_tiny(tmp_path, dtype):
+    args = L.parse_args(["--quick", "--repeats", "1", "--batches", "1", "--no-zipnn", "--codec-sample", "32"])
+    ts = L.TableSet(name="tiny", init="trained", dtype=dtype, dims=[8, 8, 16], rows=[50, 200, 7])
+    works = [L.Workload(16, 3, 1.05), L.Workload(16, 3, None), L.Workload(8, "dlrmv2", 1.2)]
+    res = L.run_table_set(ts, works, args, log=lambda m: None)
+    assert set(res["ibp"]) == {"W64 K1", "W32 K1", "W64 K4", "W32 K4"}
+    assert res["raw_bytes"] == (50 * 8 + 200 * 8 + 7 * 16) * dtype.itemsize
+    for w in res["workloads"]:
+        s = w["systems"]
+        assert all(e["matches_reference"] for e in s.values()), s
+        assert "ibp_vs_fbgemm_throughput_ratio" in w
+        if dtype == torch.float32:
+            assert w["ibp_vs_fbgemm_throughput_ratio"] > 0
+            assert s[L.HEADLINE]["ibp_vs_fbgemm_throughput_ratio"] == w["ibp_vs_fbgemm_throughput_ratio"]
+            assert {L.FBGEMM, L.TORCHREC} <= set(s)
+        else:  # FBGEMM's CPU kernel has no bf16
+            assert w["ibp_vs_fbgemm_throughput_ratio"] is None and L.FBGEMM not in s
+        mo = w["host_bytes_per_batch_model"]
+        assert mo["ibp W64 K1"] <= mo["dedup raw"] + 12 * w["ids_per_batch"]
+        assert mo["dedup raw"] <= mo["fbgemm UVM"]
+    # bytes model of the first workload recomputed from its own batch
+    b = L.make_batch(ts.rows, works[0], args.seed, ts.perm_seeds())
+    rb = [d * dtype.itemsize for d in ts.dims]
+    uvm = sum(ids.size * r for (ids, _), r in zip(b.features, rb))
+    assert res["workloads"][0]["host_bytes_per_batch_model"]["fbgemm UVM"] == uvm
+
+    params = {"started_utc": "x", "machine": common.machine_info(), "threads": 1, "load_average_start": "0",
+              "scale": 1.0, "repeats": 1, "batches": 1, "zipnn_version": None}
+    targets = L.check_targets([res], params["machine"])
+    text = L.report([res], params) + "\n" + L.format_targets(targets)
+    assert "Targets (issue 5)" in text and "tiny" not in text  # rows are labelled by kind, not name
+    path = common.write_json({"results": [res], "targets": targets}, "lookup-test", results_dir=tmp_path)
+    assert json.loads(path.read_text())["results"][0]["workloads"][0]["workload"] == "B16 P3 Zipf 1.05"
+    assert L.plot([res], tmp_path / "x.png").stat().st_size > 0
