@@ -27,6 +27,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from ibp_embed.io import fsync_dir
+
 FORMAT = "dlrm_example.checkpoint"
 VERSION = 1
 KEEP = 2
@@ -36,23 +38,12 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used (missing, corrupt, other model or format)."""
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def _fsync_tree(path: Path) -> None:
     for root, _dirs, files in os.walk(path):
         for f in files:
             with open(os.path.join(root, f), "rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
 
 
 def write_json(path: Path, obj) -> None:
@@ -62,7 +53,7 @@ def write_json(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def step_name(step: int) -> str:
@@ -87,14 +78,14 @@ def commit(root: Path, tmp: Path, step: int, meta: Dict[str, Any]) -> Path:
     # A unique name: re-saving a step never replaces the directory LATEST still names.
     final = root / f"{step_name(step)}.{secrets.token_hex(4)}"
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     tmp_latest = root / f".LATEST.{secrets.token_hex(4)}.tmp"
     with open(tmp_latest, "w") as f:
         f.write(final.name + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp_latest, root / "LATEST")
-    _fsync_dir(root)
+    fsync_dir(root)
     done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
     for old in done[:-KEEP]:
         if old.name != final.name:

@@ -10,6 +10,7 @@ written beside the target under a temporary name, synced, then renamed over it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -79,19 +80,29 @@ def save(table: CompressedTable, path) -> None:
         data_start = data_start2
     prefix = _PREFIX.pack(MAGIC, _native.FORMAT_VERSION, len(body), crc32c(body), 0)
 
+    with atomic_file(path) as f:
+        f.write(prefix + body)
+        total = sum(s["length"] for s in sections)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {path.name}",
+                  disable=total < (256 << 20)) as bar:
+            for s in sections:
+                f.seek(s["offset"])
+                raw = arrays[s["name"]].reshape(-1).view(np.uint8)
+                for lo in range(0, raw.size, _WRITE_CHUNK):
+                    f.write(memoryview(raw[lo: lo + _WRITE_CHUNK]))
+                    bar.update(min(_WRITE_CHUNK, raw.size - lo))
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """A binary file that replaces `path` only once it is completely written and
+    synced: a temporary in the same directory, renamed over the target. On any
+    error the temporary is removed and the target is left as it was."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(prefix + body)
-            total = sum(s["length"] for s in sections)
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {path.name}",
-                      disable=total < (256 << 20)) as bar:
-                for s in sections:
-                    f.seek(s["offset"])
-                    raw = arrays[s["name"]].reshape(-1).view(np.uint8)
-                    for lo in range(0, raw.size, _WRITE_CHUNK):
-                        f.write(memoryview(raw[lo: lo + _WRITE_CHUNK]))
-                        bar.update(min(_WRITE_CHUNK, raw.size - lo))
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -102,12 +113,17 @@ def save(table: CompressedTable, path) -> None:
         except FileNotFoundError:
             pass
         raise
+    fsync_dir(path.parent or Path("."))
+
+
+def fsync_dir(path) -> None:
+    """Make renames inside directory `path` durable (best effort: some filesystems refuse)."""
     try:
-        dfd = os.open(path.parent or ".", os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(dfd)
+            os.fsync(fd)
         finally:
-            os.close(dfd)
+            os.close(fd)
     except OSError:
         pass
 

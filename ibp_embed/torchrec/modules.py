@@ -40,7 +40,7 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..codec import compress
-from ..io import load as load_table
+from ..io import atomic_file, load as load_table
 from ..optim import SparseOptimizer, make_optimizer, row_gradients, state_nbytes
 from ..store import UpdatableTable
 from ..table import CompressedTable
@@ -995,24 +995,5 @@ def _manifest_files(path: Path) -> set:
 
 
 def _atomic_write(target: Path, data: bytes) -> None:
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    try:
-        fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    with atomic_file(target) as f:
+        f.write(data)
