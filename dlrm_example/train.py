@@ -483,18 +483,28 @@ def main(argv=None) -> int:
     a = parser().parse_args(argv)
     run = Run(a)
     try:
-        return run.run()
+        code = run.run()
     except (UserError, DataError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        code = EXIT_BAD_INPUT
     except NaNLoss as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_NAN
+        code = EXIT_NAN
     except KeyboardInterrupt as e:
         print(f"{e or 'interrupted'}", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
     finally:
         run.close()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Under torchrun, freeing the model can deadlock: DDP's reducer is freed
+        # holding the GIL, the gloo process group's destructor joins its worker
+        # threads, and one of them waits for the GIL to free a finished collective
+        # (seen as a rank hanging forever after its final line). Everything is
+        # written and flushed by now, so leave before `run` and the model are freed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

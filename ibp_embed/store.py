@@ -9,7 +9,6 @@ live rows back to back, and `repack()` rebuilds the masks from the current rows
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from . import _native
 from ._native import ffi, lib
@@ -67,14 +66,6 @@ class UpdatableTable(TableReads):
 
     # ---- description ----
     @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
     def word_bits(self) -> int:
         return self._book.word_bits
 
@@ -98,21 +89,10 @@ class UpdatableTable(TableReads):
         return int(self._arena.nbytes + self._start.nbytes + self._len.nbytes + self._slot.nbytes
                    + self._book.metadata_bytes())
 
-    @property
-    def raw_nbytes(self) -> int:
-        return self._shape[0] * self._row_bytes
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_nbytes / self.nbytes if self._shape[0] else 1.0
-
     def __repr__(self) -> str:
         return (f"UpdatableTable(shape={self._shape}, dtype={self._dtype}, word_bits={self.word_bits}, "
                 f"clusters={self.clusters}, live={self.live_bytes}, dead={self.dead_bytes}, "
                 f"ratio={self.ratio:.3f})")
-
-    def __len__(self) -> int:
-        return self._shape[0]
 
     # ---- writes ----
     def update(self, ids, rows) -> None:

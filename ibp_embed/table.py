@@ -20,6 +20,27 @@ class TableReads:
     _shape: tuple[int, int]
     _dtype: torch.dtype
     _row_bytes: int
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def raw_nbytes(self) -> int:
+        return self._shape[0] * self._row_bytes
+
+    @property
+    def ratio(self) -> float:
+        """raw_nbytes / nbytes (1.0 for an empty table)."""
+        return self.raw_nbytes / self.nbytes if self._shape[0] else 1.0
+
+    def __len__(self) -> int:
+        return self._shape[0]
 
     def decompress(self) -> torch.Tensor:
         """The whole table, bit-exact, as an [N, D] tensor of the original dtype."""
@@ -142,14 +163,6 @@ class CompressedTable(TableReads):
 
     # ---- description ----
     @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
     def word_bits(self) -> int:
         return self._word_bits
 
@@ -162,15 +175,6 @@ class CompressedTable(TableReads):
         """Bytes needed to decode: payload, tail pad, offsets index and masks (W-bit words)."""
         mask_bytes = 2 * self._masks.size * (self._word_bits // 8)
         return int(self._payload.nbytes + self._block_base.nbytes + self._rel.nbytes + mask_bytes)
-
-    @property
-    def raw_nbytes(self) -> int:
-        return self._shape[0] * self._row_bytes
-
-    @property
-    def ratio(self) -> float:
-        """raw_nbytes / nbytes (1.0 for an empty table)."""
-        return self.raw_nbytes / self.nbytes if self._shape[0] else 1.0
 
     @property
     def masks(self) -> np.ndarray:
@@ -205,9 +209,6 @@ class CompressedTable(TableReads):
     def __repr__(self) -> str:
         return (f"CompressedTable(shape={self._shape}, dtype={dtype_name(self._dtype)}, "
                 f"word_bits={self._word_bits}, clusters={self.clusters}, ratio={self.ratio:.3f})")
-
-    def __len__(self) -> int:
-        return self._shape[0]
 
     def to(self, device, placement: str = "host"):
         """This table on `device`: itself for "cpu"; for a CUDA device an

@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -271,7 +272,10 @@ def test_two_ranks_with_torchrun_match_across_backends(tmp_path):
     if not torchrun.exists():
         pytest.skip("torchrun not installed next to the interpreter")
     finals = {}
-    for port, backend in ((29641, "ibp"), (29642, "torchrec")):
+    for backend in ("ibp", "torchrec"):
+        with socket.socket() as sock:  # a free port: a fixed one may still be held
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         p = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), "-m",
                             "dlrm_example.train", "--backend", backend, "--steps", "4"] + SMALL,
                            cwd=ROOT, capture_output=True, text=True, timeout=300,
