@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import _native
-from .codec import compress
+from .codec import compress, index_nbytes
 from .dtypes import NUMPY_TO_TORCH, check_dtype, dtype_name
 from .errors import FormatError
 from .io import load, read_header
@@ -324,7 +324,7 @@ def inspect_stats(path) -> dict:
         "clusters": table.clusters, "row_bytes": row_bytes,
         "nbytes": table.nbytes, "raw_nbytes": table.raw_nbytes, "ratio": table.ratio,
         "payload_bytes": int(header["payload_bytes"]),
-        "index_bytes": 8 * (n_rows // 64 + 1) + int(_native.lib.ibp_rel_bytes(row_bytes)) * (n_rows + 1),
+        "index_bytes": index_nbytes(n_rows, row_bytes),
         "mask_bytes": mask_bytes,
         "raw_rows": raw_rows, "raw_share": raw_rows / n_rows if n_rows else 0.0,
         "mean_stored_bytes": float(lengths.mean()) if n_rows else None,

@@ -201,8 +201,7 @@ def _estimate_nbytes(book: _Codebook, sample: np.ndarray, n_rows: int) -> float:
     """Encoded size of the whole table, extrapolated from the sample (exact when the
     sample is the table), with its masks, offsets index and tail pad."""
     payload = book.assign(sample)[1].sum(dtype=np.uint64) * (n_rows / max(sample.shape[0], 1))
-    index = 8 * (n_rows // 64 + 1) + lib.ibp_rel_bytes(book.row_bytes) * (n_rows + 1)
-    return float(payload) + index + book.metadata_bytes() + lib.ibp_tail_pad(book.row_bytes, book.word_bits)
+    return float(payload) + index_nbytes(n_rows, book.row_bytes) + book.metadata_bytes() + lib.ibp_tail_pad(book.row_bytes, book.word_bits)
 
 
 def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codebook,
@@ -229,6 +228,11 @@ def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codeboo
     return CompressedTable(shape=(n_rows, dim), dtype=dtype, word_bits=book.word_bits,
                            masks=book.masks, bitvals=book.bitvals, block_base=block_base, rel=rel,
                            payload=payload, payload_bytes=payload_bytes, validate=False)
+
+
+def index_nbytes(n_rows: int, row_bytes: int) -> int:
+    """Bytes of a packed table's offsets index: block_base (u64 per 64 rows) and rel."""
+    return 8 * (n_rows // 64 + 1) + int(lib.ibp_rel_bytes(row_bytes)) * (n_rows + 1)
 
 
 def split_offsets(offsets: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:

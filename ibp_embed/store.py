@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _native
 from ._native import ffi, lib
-from .codec import _Codebook, compress, split_offsets
+from .codec import _Codebook, compress, index_nbytes, split_offsets
 from .dtypes import as_rows
 from .table import CompressedTable, TableReads, _as_index_array, _check_range
 
@@ -79,6 +79,12 @@ class UpdatableTable(TableReads):
         return int(self._len.sum(dtype=np.uint64))
 
     @property
+    def packed_nbytes(self) -> int:
+        """nbytes of the CompressedTable that to_table() would build, without building it."""
+        return int(self.live_bytes + self._pad + index_nbytes(self._shape[0], self._row_bytes)
+                   + self._book.metadata_bytes())
+
+    @property
     def dead_bytes(self) -> int:
         """Arena bytes below the log's end holding no live row (abandoned slots and slack)."""
         return self._end - self.live_bytes
@@ -105,7 +111,8 @@ class UpdatableTable(TableReads):
                              f"got [{raw.shape[0]}, {dim}] of {dtype}")
         if idx.size == 0:
             return
-        if np.unique(idx).size != idx.size:
+        # optimizers pass sorted distinct ids: one linear pass proves it, else sort
+        if not np.all(idx[1:] > idx[:-1]) and np.unique(idx).size != idx.size:
             raise ValueError("ids must be distinct (aggregate the updates of a row first)")
         clusters, lengths = self._book.assign(raw)
         movers, need = self._plan(idx, lengths)

@@ -84,13 +84,20 @@ class TableReads:
         if off.size > 1 and np.any(off[1:] < off[:-1]):
             raise ValueError("offsets must be non-decreasing")
         _check_range(idx, self._shape[0])
-        weights = ffi.NULL
+        w = None
         if per_sample_weights is not None:
             w = _as_float_array(per_sample_weights)
             if _ndim(per_sample_weights) != 1 or w.shape != idx.shape:
                 raise ValueError(f"per_sample_weights must be 1-D like indices {idx.shape}, got shape "
                                  f"{tuple(np.shape(per_sample_weights))}")
-            weights = _native.ptr(w, "const float *")
+        return self._lookup_checked(idx, off, w, mode)
+
+    def _lookup_checked(self, idx: np.ndarray, off: np.ndarray, w, mode: str) -> torch.Tensor:
+        """The native pooled lookup, for callers that already ran lookup()'s checks
+        (IBPEmbeddingBagCollection validates a whole KJT once): contiguous int64 ids
+        in range, int64 offsets from 0 to len(ids) non-decreasing, float32 weights or
+        None, a float table. libibp still refuses out-of-range ids, without reading them."""
+        weights = ffi.NULL if w is None else _native.ptr(w, "const float *")
         n_bags = off.size - 1
         out = torch.empty((n_bags, self._shape[1]), dtype=torch.float32)
         if n_bags:

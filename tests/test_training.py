@@ -303,9 +303,8 @@ def test_memory_figures_and_trainable_checks():
     assert s["total_bytes"] == s["compressed_bytes"] + s["optimizer_state_bytes"]
     assert s["index_bytes"] == (64 + 32) * 16
     assert s["live_bytes"] <= s["arena_bytes"] and s["compressed_bytes"] >= s["arena_bytes"] + s["index_bytes"]
-    packed = ebc.embedding_bags["a"].table.to_table()
-    assert packed.nbytes == __import__("ibp_embed.torchrec.modules", fromlist=["x"])._packed_nbytes(
-        ebc.embedding_bags["a"].table)
+    expected = ebc.embedding_bags["a"].table.packed_nbytes
+    assert ebc.embedding_bags["a"].table.to_table().nbytes == expected
     inference = _tiny()
     assert inference.memory_stats()["optimizer_state_bytes"] == 0 and not inference.trainable
     out = inference(_kjt(0)).values()

@@ -200,7 +200,7 @@ def _lookup_one(s: _Slot, ids: np.ndarray, bag_off: np.ndarray, w: Optional[np.n
                 lengths = torch.from_numpy(np.diff(bag_off)).clamp_(min=1).to(torch.float32)
                 out *= (1.0 / lengths)[:, None]
             return out
-    return s.table.lookup(ids, bag_off, w, mode=s.mode)
+    return s.table._lookup_checked(ids, bag_off, w, s.mode)  # lookup_jobs validated everything
 
 
 def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[_Slot], weighted: bool, who: str,
@@ -670,7 +670,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 dead += t.dead_bytes
                 arena += int(t._arena.nbytes)
                 index += int(t._start.nbytes + t._len.nbytes + t._slot.nbytes)
-                packed += _packed_nbytes(t)
+                packed += t.packed_nbytes
             else:
                 packed += t.nbytes
         comp, opt, raw = self.compressed_nbytes, self.optimizer_state_nbytes, self.raw_nbytes
@@ -866,18 +866,6 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def extra_repr(self) -> str:
         opt = f", optimizer={self._optimizer!r}" if self.trainable else ""
         return f"is_weighted={self._is_weighted}, device={self._device}, dedup={self.dedup!r}{opt}"
-
-
-def _packed_nbytes(t: UpdatableTable) -> int:
-    """Bytes t would hold as a packed CompressedTable (live rows, tail pad, offsets
-    index, masks), computed without packing it."""
-    n, row_bytes = t.shape[0], t._row_bytes
-    from .._native import lib
-
-    rel_bytes = int(lib.ibp_rel_bytes(row_bytes))
-    mask_bytes = 2 * t._book.masks.size * (t.word_bits // 8)
-    return int(t.live_bytes + lib.ibp_tail_pad(row_bytes, t.word_bits) + (n // 64 + 1) * 8
-               + (n + 1) * rel_bytes + mask_bytes)
 
 
 def _all_gather_slots(per_slot, pg, weighted: bool):
