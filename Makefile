@@ -11,12 +11,12 @@ CUDA_LIB := $(BUILD)/libibp_cuda.so
 CC ?= gcc
 # No implicit fused multiply-adds: results must not depend on the ISA or -O level
 # (weighted pooling uses fmaf explicitly, as FBGEMM does).
-CFLAGS_LIB := -O3 -std=gnu11 -fPIC -fopenmp -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-function
+CFLAGS_LIB := -O3 -std=gnu11 -fPIC -fopenmp -pthread -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-function
 NVCC := $(shell command -v nvcc 2>/dev/null)
 # fbgemm must match torch 2.13.0 exactly (GUIDE section 3): the CPU build unless a GPU driver is present.
 FBGEMM := $(if $(shell command -v nvidia-smi 2>/dev/null),fbgemm-gpu==1.8.0,fbgemm-gpu-cpu==1.8.0)
 
-HEADERS := $(wildcard native/*.h) native/ibp_rowcodec.inc
+HEADERS := $(wildcard native/*.h) native/ibp_rowcodec.inc native/ibp_optim.inc
 
 .PHONY: all lib cuda venv demo test bench clean
 all: lib cuda venv
@@ -44,6 +44,8 @@ $(CUDA_LIB): $(CUDA_SRC) $(CUDA_HDR) | $(BUILD)
 
 $(BUILD)/ibp.o: native/ibp.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -c $< -o $@
+$(BUILD)/store.o: native/ibp_store.c $(HEADERS) | $(BUILD)
+	$(CC) $(CFLAGS_LIB) -c $< -o $@
 $(BUILD)/isa_generic.o: native/ibp_isa_generic.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -c $< -o $@
 # Only called after a run-time CPU check, so the library still loads on older CPUs.
@@ -51,8 +53,8 @@ $(BUILD)/isa_v3.o: native/ibp_isa_v3.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v3 -c $< -o $@
 $(BUILD)/isa_avx512.o: native/ibp_isa_avx512.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v4 -mavx512vbmi -mavx512vpopcntdq -c $< -o $@
-$(LIB): $(BUILD)/ibp.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_avx512.o
-	$(CC) -shared -fopenmp $^ -o $@ -lm
+$(LIB): $(BUILD)/ibp.o $(BUILD)/store.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_avx512.o
+	$(CC) -shared -fopenmp -pthread $^ -o $@ -lm
 $(BUILD):
 	mkdir -p $@
 

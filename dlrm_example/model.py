@@ -158,8 +158,8 @@ def build_ibp(cfg: ModelConfig, seed: int, optimizer: Optional[SparseOptimizer],
 
     pg = None
     if world > 1 and optimizer is not None:
-        pg = dist.new_group(backend="gloo")  # the table replicas' own group
-    ebc = IBPEmbeddingBagCollection(table_configs(cfg), device="meta", optimizer=optimizer, process_group=pg,
+        raise NotImplementedError("the ibp backend trains on several ranks through DMP (next commit)")
+    ebc = IBPEmbeddingBagCollection(table_configs(cfg), device="meta", optimizer=optimizer,
                                     **(codec_options or {}))
     if load_tables:
         for i, c in enumerate(table_configs(cfg)):

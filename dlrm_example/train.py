@@ -236,7 +236,7 @@ class Run:
             opt = sparse_optimizer(self.a.optimizer, self.lr) if train else None
             try:
                 ebc = IBPEmbeddingBagCollection.load_compressed(
-                    path / "tables", optimizer=opt, mmap=not train, process_group=built.pg)
+                    path / "tables", optimizer=opt, mmap=not train)
             except (OSError, ValueError) as e:
                 raise ckpt.CheckpointError(f"{path}/tables: {e}") from None
             old = built.ebc

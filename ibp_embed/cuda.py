@@ -31,7 +31,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 _HEADER = _ROOT / "native" / "cuda" / "ibp_cuda.h"
 _LIBRARY = _ROOT / "native" / "build" / "libibp_cuda.so"
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 PLACEMENTS = {"host": 0, "device": 1}
 _PAYLOAD_MODES = {1: "registered", 2: "shared", 3: "pinned_copy", 4: "device_copy"}

@@ -1,70 +1,74 @@
 """UpdatableTable: a compressed table whose rows can be rewritten (training).
 
-Rows live in a log-structured arena: a rewritten row that still fits its slot is
-re-encoded in place; one that grew is appended at the arena's end and its old slot
-becomes dead space. Dead and slack bytes are accounted; `compact()` rewrites the
-live rows back to back, and `repack()` rebuilds the masks from the current rows
-(worth it when training has moved the values away from the masks' statistics).
+The rows live in libibp's store (``ibp_store_*`` in native/ibp.h): blocks of up to
+64 rows, each packed with a little headroom; a block whose rows outgrow it moves
+to the end of the arena, and the arena is compacted in place once the space left
+behind is worth reclaiming. Headroom, abandoned space and spare capacity are each
+bounded by 1/64 of the encoded rows, so the table holds a few percent more than
+its packed form (``nbytes`` against ``packed_nbytes``).
+
+``repack()`` rebuilds the masks from the current rows; it runs by itself once the
+encoded rows have grown by ``repack_drift`` since the last (re)pack, as training
+moves values away from the masks' statistics.
+
+Thread safety: reads (gather, lookup, decompress) may run from any thread while
+another thread writes (update, apply_gradients, compact, repack): the store's
+reader/writer lock lets a read see every row either before or after a write,
+never half rewritten, and never memory a write freed. Writes are serialized.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import torch
 
 from . import _native
 from ._native import ffi, lib
 from .codec import _Codebook, compress, index_nbytes, split_offsets
 from .dtypes import as_rows
-from .table import CompressedTable, TableReads, _as_index_array, _check_range
-
-GROWTH = 1.125        # arena headroom when it is (re)allocated: memory vs copies
-COMPACT_DEAD = 0.5    # compact instead of growing when over half the arena is dead
+from .optim import SparseOptimizer
+from .table import _MODES, CompressedTable, TableReads, _as_index_array, _check_range
 
 
 class UpdatableTable(TableReads):
-    """A CompressedTable that accepts row updates; reads (gather, lookup,
-    decompress) behave as on CompressedTable and see every update at once.
+    """A CompressedTable that accepts row updates; reads behave as on CompressedTable
+    and see every update at once."""
 
-    Not thread-safe against concurrent updates: update from one thread at a time.
-    """
-
-    def __init__(self, table: CompressedTable, *, repack_drift: float | None = 0.05):
-        """repack_drift: rebuild the masks automatically once the stored payload has
-        grown by this fraction since the last (re)pack; None disables it."""
+    def __init__(self, table: CompressedTable, *, repack_drift: float | None = 0.05,
+                 codec_options: dict | None = None):
+        """repack_drift: rebuild the masks automatically once the encoded rows have
+        grown by this fraction since the last (re)pack; None disables it.
+        codec_options: ibp_embed.compress options for repacks (default: word size
+        chosen afresh, up to as many clusters as `table` has)."""
+        if not isinstance(table, CompressedTable):
+            raise TypeError(f"expected a CompressedTable, got {type(table).__name__}")
         self._repack_drift = repack_drift
-        self._load(table)
+        self._write_lock = threading.Lock()
+        self._shape, self._dtype, self._row_bytes = table.shape, table.dtype, table._row_bytes
+        self._codec_options = dict(codec_options if codec_options is not None else {"clusters": table.clusters})
+        self._codec_options.pop("progress", None)
+        out = ffi.new("ibp_store **")
+        _native.check(lib.ibp_store_create(table._c, out), "UpdatableTable")
+        self._store = ffi.gc(out[0], lib.ibp_store_destroy)
+        self._adopt_codebook(table)
 
-    def _load(self, table: CompressedTable) -> None:
-        self._shape, self._dtype = table.shape, table.dtype
-        self._row_bytes = table._row_bytes
-        self._codec_options = {"word_bits": table.word_bits, "clusters": table.clusters}
-        self._book = _Codebook(self._row_bytes, table.word_bits, table._masks, table._bitvals)
-        starts = table._row_starts()
-        self._start = np.ascontiguousarray(starts[:-1], dtype=np.uint64)
-        self._len = np.diff(starts).astype(np.uint32)
-        self._slot = self._len.copy()  # bytes a row may grow to in place
-        self._end = int(starts[-1])    # end of the log
-        self._pad = int(lib.ibp_tail_pad(self._row_bytes, table.word_bits))
-        self._arena = np.zeros(int(self._end * GROWTH) + self._pad + 64, dtype=np.uint8)
-        self._arena[: self._end] = table._payload[: self._end]
-        self._packed_bytes = max(self._end, 1)
-        self._bind()
-
-    def _bind(self) -> None:
-        """(Re)build the C view after the arena or the index arrays were replaced."""
-        c = ffi.new("ibp_table *")
-        b = self._book
-        c.cb = b.c[0]
-        c.n_rows = self._shape[0]
-        c.rel_bytes = lib.ibp_rel_bytes(self._row_bytes)
-        c.payload = _native.ptr(self._arena, "const uint8_t *")
-        c.payload_bytes = self._end
-        c.row_start = _native.ptr(self._start, "const uint64_t *")
-        c.row_len = _native.ptr(self._len, "const uint32_t *")
-        c.block_base = c.row_start  # unused in arena mode; never NULL for validation
-        c.rel = c.row_start
-        self._c = c
+    def _adopt_codebook(self, table: CompressedTable) -> None:
+        self._book = _Codebook(self._row_bytes, table.word_bits, table.masks, table.bitvals)
+        self._packed_live = max(self.info()["live_bytes"], 1)
 
     # ---- description ----
+    def info(self) -> dict:
+        """The store's figures (bytes unless named otherwise): live (encoded rows),
+        slack (headroom inside blocks), dead (space of moved blocks), free (past the
+        last block), arena (= the four), index, meta (masks), block_rows, moves,
+        compactions."""
+        i = ffi.new("ibp_store_info *")
+        _native.check(lib.ibp_store_info_get(self._store, i), "info")
+        return {k: int(getattr(i, k)) for k in (
+            "live_bytes", "slack_bytes", "dead_bytes", "free_bytes", "arena_bytes", "index_bytes",
+            "meta_bytes", "block_rows", "moves", "compactions")}
+
     @property
     def word_bits(self) -> int:
         return self._book.word_bits
@@ -74,31 +78,48 @@ class UpdatableTable(TableReads):
         return self._book.clusters
 
     @property
+    def masks(self) -> np.ndarray:
+        return self._book.masks
+
+    @property
+    def bitvals(self) -> np.ndarray:
+        return self._book.bitvals
+
+    @property
     def live_bytes(self) -> int:
-        """Bytes of the rows as currently encoded."""
-        return int(self._len.sum(dtype=np.uint64))
+        """Bytes of the rows as encoded now."""
+        return self.info()["live_bytes"]
+
+    @property
+    def dead_bytes(self) -> int:
+        """Arena bytes left behind by moved blocks (reclaimed by compaction)."""
+        return self.info()["dead_bytes"]
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held: the arena (rows, headroom, dead and free space), the
+        index and the masks."""
+        i = self.info()
+        return i["arena_bytes"] + i["index_bytes"] + i["meta_bytes"]
 
     @property
     def packed_nbytes(self) -> int:
         """nbytes of the CompressedTable that to_table() would build, without building it."""
-        return int(self.live_bytes + self._pad + index_nbytes(self._shape[0], self._row_bytes)
-                   + self._book.metadata_bytes())
-
-    @property
-    def dead_bytes(self) -> int:
-        """Arena bytes below the log's end holding no live row (abandoned slots and slack)."""
-        return self._end - self.live_bytes
-
-    @property
-    def nbytes(self) -> int:
-        """Host memory held: the whole arena allocation, the row index and the masks."""
-        return int(self._arena.nbytes + self._start.nbytes + self._len.nbytes + self._slot.nbytes
-                   + self._book.metadata_bytes())
+        return int(self.live_bytes + lib.ibp_tail_pad(self._row_bytes, self.word_bits)
+                   + index_nbytes(self._shape[0], self._row_bytes) + self._book.metadata_bytes())
 
     def __repr__(self) -> str:
+        i = self.info()
         return (f"UpdatableTable(shape={self._shape}, dtype={self._dtype}, word_bits={self.word_bits}, "
-                f"clusters={self.clusters}, live={self.live_bytes}, dead={self.dead_bytes}, "
+                f"clusters={self.clusters}, live={i['live_bytes']}, dead={i['dead_bytes']}, "
                 f"ratio={self.ratio:.3f})")
+
+    # ---- reads ----
+    def _native_decode(self, idx, n: int, out) -> int:
+        return lib.ibp_store_decode(self._store, idx, n, out)
+
+    def _native_lookup(self, dtype: int, idx, off, n_bags: int, weights, mode: int, out) -> int:
+        return lib.ibp_store_lookup(self._store, dtype, self._shape[1], idx, off, n_bags, weights, mode, out)
 
     # ---- writes ----
     def update(self, ids, rows) -> None:
@@ -111,77 +132,110 @@ class UpdatableTable(TableReads):
                              f"got [{raw.shape[0]}, {dim}] of {dtype}")
         if idx.size == 0:
             return
-        # optimizers pass sorted distinct ids: one linear pass proves it, else sort
-        if not np.all(idx[1:] > idx[:-1]) and np.unique(idx).size != idx.size:
-            raise ValueError("ids must be distinct (aggregate the updates of a row first)")
-        clusters, lengths = self._book.assign(raw)
-        movers, need = self._plan(idx, lengths)
-        if self._end + need + self._pad > self._arena.size:
-            if self.dead_bytes > COMPACT_DEAD * self._end:
-                self.compact()
-                # compaction shrinks every slot to its row: re-plan who fits in place
-                movers, need = self._plan(idx, lengths)
-            if self._end + need + self._pad > self._arena.size:
-                self._grow(need)
-        starts = self._start[idx].copy()
-        if movers.size:
-            grown = np.cumsum(lengths[movers], dtype=np.uint64)
-            starts[movers] = self._end + grown - lengths[movers]
-            self._end += need
-            self._slot[idx[movers]] = lengths[movers]
-        _native.check(lib.ibp_encode_at(
-            self._book.c, _native.ptr(raw, "const uint8_t *"), idx.size,
-            _native.ptr(clusters, "const uint8_t *"), _native.ptr(starts, "const uint64_t *"),
-            _native.ptr(lengths, "const uint32_t *"), _native.ptr(self._arena, "uint8_t *")), "update")
-        self._start[idx] = starts
-        self._len[idx] = lengths
-        self._c.payload_bytes = self._end
-        if self._repack_drift is not None and self.live_bytes > self._packed_bytes * (1 + self._repack_drift):
-            self.repack()
+        if not np.all(idx[1:] > idx[:-1]):
+            order = np.argsort(idx, kind="stable")
+            idx = idx[order]
+            if np.any(idx[1:] == idx[:-1]):
+                raise ValueError("ids must be distinct (aggregate the updates of a row first)")
+            raw = np.ascontiguousarray(raw[order])
+        with self._write_lock:
+            _native.check(lib.ibp_store_update(self._store, _native.ptr(idx, "const int64_t *"), idx.size,
+                                               _native.ptr(raw, "const uint8_t *")), "update")
+            self._maybe_repack()
 
-    def _plan(self, idx: np.ndarray, lengths: np.ndarray):
-        """(positions in idx of the rows that must move, bytes they need at the log's end)."""
-        movers = np.flatnonzero(lengths > self._slot[idx])
-        return movers, int(lengths[movers].sum(dtype=np.uint64))
-
-    def _grow(self, need: int) -> None:
-        size = int((self._end + need) * GROWTH) + self._pad + 64
-        arena = np.zeros(size, dtype=np.uint8)
-        arena[: self._end] = self._arena[: self._end]
-        self._arena = arena
-        self._bind()
+    def apply_gradients(self, optimizer: SparseOptimizer, state: dict, indices: np.ndarray,
+                        offsets: np.ndarray, batch: int, grad: torch.Tensor, grad_cols,
+                        weights: np.ndarray | None = None, mode: str = "sum") -> None:
+        """Backward of pooled lookups into this (fp32) table fused with `optimizer`'s
+        step, as FBGEMM's TBE does it: feature f (of len(grad_cols)) pooled bags
+        offsets[f * batch + b .. + 1] of `indices` (int64, offsets start at 0), and
+        its output gradient sits at columns grad_cols[f]: of grad [batch, *] (fp32).
+        `state` is optimizer.init_state's tensors for this table, updated in place."""
+        if self._dtype != torch.float32:
+            raise TypeError(f"training needs a float32 table, this one holds {self._dtype}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
+        grad = grad.detach().to("cpu", torch.float32).contiguous()
+        if grad.dim() != 2 or grad.shape[0] != batch:
+            raise ValueError(f"grad must be [{batch}, columns], got {tuple(grad.shape)}")
+        cols = np.ascontiguousarray(grad_cols, dtype=np.uint64)
+        if cols.size and int(cols.max()) + self._shape[1] > grad.shape[1]:
+            raise ValueError(f"grad has {grad.shape[1]} columns; a feature starts at column {int(cols.max())}")
+        idx = np.ascontiguousarray(indices, dtype=np.int64)
+        off = np.ascontiguousarray(offsets, dtype=np.int64)
+        if off.shape != (cols.size * batch + 1,):
+            raise ValueError(f"offsets must have {cols.size} features x {batch} bags + 1 entries, "
+                             f"got {off.size}")
+        w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
+        if w is not None and w.shape != idx.shape:
+            raise ValueError(f"{w.size} weights for {idx.size} ids")
+        opt = optimizer.c_struct(state)
+        with self._write_lock:
+            _native.check(lib.ibp_store_backward(
+                self._store, opt, cols.size, batch,
+                _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL,
+                _native.ptr(off, "const int64_t *"),
+                ffi.NULL if w is None else _native.ptr(w, "const float *"), _MODES[mode],
+                ffi.cast("const float *", grad.data_ptr()), grad.shape[1],
+                _native.ptr(cols, "const uint64_t *") if cols.size else ffi.NULL), "backward")
+            self._maybe_repack()
 
     def compact(self) -> None:
-        """Rewrite the live rows back to back in row order; dead space becomes free."""
-        n = self._shape[0]
-        new_start = np.zeros(n, dtype=np.uint64)
-        np.cumsum(self._len[:-1], dtype=np.uint64, out=new_start[1:])
-        end = self.live_bytes
-        arena = np.zeros(max(int(end * GROWTH), end) + self._pad + 64, dtype=np.uint8)
-        _native.check(lib.ibp_move_rows(
-            _native.ptr(self._arena, "const uint8_t *"), _native.ptr(self._start, "const uint64_t *"),
-            _native.ptr(self._len, "const uint32_t *"), n, _native.ptr(arena, "uint8_t *"),
-            _native.ptr(new_start, "const uint64_t *")), "compact")
-        self._arena, self._start, self._end = arena, new_start, end
-        self._slot = self._len.copy()
-        self._bind()
+        """Move the blocks back to back: dead space becomes free, headroom is trimmed."""
+        with self._write_lock:
+            _native.check(lib.ibp_store_compact(self._store), "compact")
+
+    def _maybe_repack(self) -> None:
+        if self._repack_drift is not None and self.live_bytes > self._packed_live * (1 + self._repack_drift):
+            self._repack()
 
     def repack(self) -> None:
         """Rebuild the masks from the current rows and re-encode the whole table."""
-        self._load(compress(self.decompress(), **self._codec_options))
+        with self._write_lock:
+            self._repack()
+
+    def _repack(self) -> None:
+        table = compress(self.decompress(), **self._codec_options)
+        _native.check(lib.ibp_store_reset(self._store, table._c), "repack")
+        self._adopt_codebook(table)
 
     def to_table(self) -> CompressedTable:
         """A packed, immutable CompressedTable of the current rows (for saving)."""
-        self.compact()
-        offsets = np.zeros(self._shape[0] + 1, dtype=np.uint64)
-        offsets[1:] = np.cumsum(self._len, dtype=np.uint64)
+        n = self._shape[0]
+        with self._write_lock:
+            pad = int(lib.ibp_tail_pad(self._row_bytes, self.word_bits))
+            offsets = np.zeros(n + 1, dtype=np.uint64)
+            payload = np.zeros(self.live_bytes + pad, dtype=np.uint8)
+            _native.check(lib.ibp_store_export(self._store, _native.ptr(offsets, "uint64_t *"),
+                                               _native.ptr(payload, "uint8_t *"), payload.size), "export")
+            book = self._book
         block_base, rel = split_offsets(offsets, self._row_bytes)
-        payload = np.zeros(self._end + self._pad, dtype=np.uint8)
-        payload[: self._end] = self._arena[: self._end]
-        return CompressedTable(shape=self._shape, dtype=self._dtype, word_bits=self.word_bits,
-                               masks=self._book.masks, bitvals=self._book.bitvals,
-                               block_base=block_base, rel=rel, payload=payload,
-                               payload_bytes=self._end, validate=False)
+        return CompressedTable(shape=self._shape, dtype=self._dtype, word_bits=book.word_bits,
+                               masks=book.masks, bitvals=book.bitvals, block_base=block_base, rel=rel,
+                               payload=payload, payload_bytes=int(offsets[-1]), validate=False)
 
     def save(self, path) -> None:
         self.to_table().save(path)
+
+
+def memory_stats(tables) -> dict:
+    """Host memory of tables (CompressedTable or UpdatableTable), in bytes:
+
+    raw_bytes: uncompressed; compressed_bytes: held now (nbytes); packed_bytes: as
+    CompressedTables (what a checkpoint holds, what to_table() builds);
+    of UpdatableTables: live_bytes (encoded rows), slack_bytes (headroom in blocks),
+    dead_bytes (left by moved blocks), free_bytes (allocated past the last block) and
+    index_bytes (2 bytes a row + 16 a block)."""
+    out = dict.fromkeys(("raw_bytes", "compressed_bytes", "packed_bytes", "live_bytes", "slack_bytes",
+                         "dead_bytes", "free_bytes", "index_bytes"), 0)
+    for t in tables:
+        out["raw_bytes"] += t.raw_nbytes
+        out["compressed_bytes"] += t.nbytes
+        if isinstance(t, UpdatableTable):
+            i = t.info()
+            for k in ("live_bytes", "slack_bytes", "dead_bytes", "free_bytes", "index_bytes"):
+                out[k] += i[k]
+            out["packed_bytes"] += t.packed_nbytes
+        else:
+            out["packed_bytes"] += t.nbytes
+    return out

@@ -13,10 +13,9 @@ _MODES = {"sum": 0, "mean": 1}
 
 
 class TableReads:
-    """Reads shared by packed and updatable tables: both expose an ibp_table struct
-    in self._c, plus self._shape, self._dtype and self._row_bytes."""
+    """Reads shared by packed and updatable tables: subclasses set self._shape,
+    self._dtype and self._row_bytes and implement the two native calls below."""
 
-    _c = None
     _shape: tuple[int, int]
     _dtype: torch.dtype
     _row_bytes: int
@@ -42,12 +41,18 @@ class TableReads:
     def __len__(self) -> int:
         return self._shape[0]
 
+    def _native_decode(self, idx, n: int, out) -> int:
+        """libibp's decode of rows idx (a C pointer, NULL: all) into out; its return code."""
+        raise NotImplementedError
+
+    def _native_lookup(self, dtype: int, idx, off, n_bags: int, weights, mode: int, out) -> int:
+        raise NotImplementedError
+
     def decompress(self) -> torch.Tensor:
         """The whole table, bit-exact, as an [N, D] tensor of the original dtype."""
         out = np.empty((self._shape[0], self._row_bytes), dtype=np.uint8)
         if self._shape[0]:
-            _native.check(lib.ibp_decode(self._c, ffi.NULL, 0, _native.ptr(out, "uint8_t *")),
-                          "decompress")
+            _native.check(self._native_decode(ffi.NULL, 0, _native.ptr(out, "uint8_t *")), "decompress")
         return rows_to_tensor(out, self._dtype, self._shape[1])
 
     def gather(self, indices) -> torch.Tensor:
@@ -57,8 +62,8 @@ class TableReads:
         _check_range(flat, self._shape[0])
         out = np.empty((flat.size, self._row_bytes), dtype=np.uint8)
         if flat.size:
-            _native.check(lib.ibp_decode(self._c, _native.ptr(flat, "const int64_t *"), flat.size,
-                                         _native.ptr(out, "uint8_t *")), "gather")
+            _native.check(self._native_decode(_native.ptr(flat, "const int64_t *"), flat.size,
+                                              _native.ptr(out, "uint8_t *")), "gather")
         return rows_to_tensor(out, self._dtype, self._shape[1]).reshape(*idx.shape, self._shape[1])
 
     def lookup(self, indices, offsets, per_sample_weights=None, mode: str = "sum") -> torch.Tensor:
@@ -101,9 +106,8 @@ class TableReads:
         n_bags = off.size - 1
         out = torch.empty((n_bags, self._shape[1]), dtype=torch.float32)
         if n_bags:
-            _native.check(lib.ibp_lookup(
-                self._c, LOOKUP_DTYPES[self._dtype], self._shape[1],
-                _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL,
+            _native.check(self._native_lookup(
+                LOOKUP_DTYPES[self._dtype], _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL,
                 _native.ptr(off, "const int64_t *"), n_bags, weights, _MODES[mode],
                 ffi.cast("float *", out.data_ptr())), "lookup")
         return out
@@ -167,6 +171,12 @@ class CompressedTable(TableReads):
             if rc != lib.IBP_OK:
                 raise FormatError(f"invalid compressed table (first bad row {bad[0]}): "
                                   f"{ffi.string(lib.ibp_error_string(rc)).decode()}")
+
+    def _native_decode(self, idx, n: int, out) -> int:
+        return lib.ibp_decode(self._c, idx, n, out)
+
+    def _native_lookup(self, dtype: int, idx, off, n_bags: int, weights, mode: int, out) -> int:
+        return lib.ibp_lookup(self._c, dtype, self._shape[1], idx, off, n_bags, weights, mode, out)
 
     # ---- description ----
     @property

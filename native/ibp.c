@@ -61,6 +61,8 @@ static const ibp_kernels *kernels(void)
     return isa_kernels[g_isa];
 }
 
+const ibp_kernels *ibp_active_kernels(void) { return kernels(); }
+
 int ibp_isa(void)
 {
     kernels();
@@ -322,30 +324,6 @@ int ibp_encode(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
     return kernels()->encode(cb, rows, n_rows, clusters, offsets, NULL, payload);
 }
 
-int ibp_encode_at(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
-                  const uint8_t *clusters, const uint64_t *starts, const uint32_t *lengths,
-                  uint8_t *payload)
-{
-    int rc = check_codebook(cb);
-    if (rc != IBP_OK)
-        return rc;
-    if ((n_rows && (!rows || !payload || !starts || !lengths)) ||
-        (cb->n_clusters > 1 && !clusters))
-        return IBP_E_ARG;
-    return kernels()->encode(cb, rows, n_rows, clusters, starts, lengths, payload);
-}
-
-int ibp_move_rows(const uint8_t *src, const uint64_t *src_start, const uint32_t *len,
-                  uint64_t n, uint8_t *dst, const uint64_t *dst_start)
-{
-    if (n && (!src || !src_start || !len || !dst || !dst_start))
-        return IBP_E_ARG;
-#pragma omp parallel for schedule(static) num_threads(ibp_threads()) if (n >= 4096)
-    for (uint64_t i = 0; i < n; i++)
-        memcpy(dst + dst_start[i], src + src_start[i], len[i]);
-    return IBP_OK;
-}
-
 int ibp_validate(const ibp_table *t, uint64_t *bad_row)
 {
     if (bad_row)
@@ -361,26 +339,18 @@ int ibp_validate(const ibp_table *t, uint64_t *bad_row)
         return IBP_E_CORRUPT;
     const uint32_t R = t->cb.row_bytes, K = t->cb.n_clusters;
     const uint32_t hdr = (K > 1) + (t->cb.n_words + 7) / 8;
-    if (t->row_start ? !t->row_len
-                     : ibp_row_start(t, 0) != 0 || ibp_row_start(t, t->n_rows) != t->payload_bytes)
+    if (t->block_len) /* store-mode views are built by ibp_store.c, never from outside */
+        return IBP_E_ARG;
+    if (ibp_row_start(t, 0) != 0 || ibp_row_start(t, t->n_rows) != t->payload_bytes)
         return IBP_E_CORRUPT;
     /* Lengths fit the payload and are either raw (== R) or at least a header;
      * a decoder reading any row then stays inside payload + tail pad. */
     uint64_t prev = 0;
     for (uint64_t i = 0; i < t->n_rows; i++) {
-        uint64_t start, len;
-        int bad;
-        if (t->row_start) {
-            start = t->row_start[i];
-            len = t->row_len[i];
-            bad = start > t->payload_bytes || len > t->payload_bytes - start;
-        } else {
-            uint64_t next = ibp_row_start(t, i + 1);
-            start = prev;
-            len = next - prev;
-            bad = next < prev;
-            prev = next;
-        }
+        uint64_t next = ibp_row_start(t, i + 1);
+        uint64_t start = prev, len = next - prev;
+        int bad = next < prev;
+        prev = next;
         if (bad || len > R || (len < R && (len < hdr || (K > 1 && t->payload[start] >= K)))) {
             if (bad_row)
                 *bad_row = i;

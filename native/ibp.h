@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 1
-#define IBP_ABI_VERSION 1
+#define IBP_ABI_VERSION 2
 
 /* Return codes. */
 #define IBP_OK 0
@@ -57,11 +57,14 @@ typedef struct ibp_table {
     const void *rel;             /* [n_rows + 1] of uint16 or uint32 */
     const uint8_t *payload;      /* payload_bytes, then at least ibp_tail_pad() readable bytes */
     uint64_t payload_bytes;
-    /* Arena mode (a table being updated): when row_start is not NULL, row i lives at
-     * payload + row_start[i] with row_len[i] bytes, in any order, and the block
-     * index above is unused. */
-    const uint64_t *row_start;
-    const uint32_t *row_len;
+    /* Store mode (an updatable table, see ibp_store_*): when block_len is not NULL,
+     * rows form blocks of 2^block_shift rows, each block anywhere in the payload.
+     * Row i of block b = i >> block_shift starts at block_base[b] + rel[i] (rel is
+     * uint16) and ends where the next row of its block starts, or at block_len[b]
+     * for the block's last row. */
+    const uint32_t *block_len;
+    uint32_t block_shift;
+    uint32_t reserved2;
 } ibp_table;
 
 int ibp_abi_version(void);
@@ -105,16 +108,6 @@ int ibp_assign(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
  * clusters may be NULL when K == 1. */
 int ibp_encode(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
                const uint8_t *clusters, const uint64_t *offsets, uint8_t *payload);
-/* The same, row i going to payload + starts[i] with lengths[i] bytes (arena mode). */
-int ibp_encode_at(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
-                  const uint8_t *clusters, const uint64_t *starts, const uint32_t *lengths,
-                  uint8_t *payload);
-
-/* Copy n variable-length rows: src + src_start[i] -> dst + dst_start[i], len[i] bytes
- * (compacting an arena). Ranges must not overlap. */
-int ibp_move_rows(const uint8_t *src, const uint64_t *src_start, const uint32_t *len,
-                  uint64_t n, uint8_t *dst, const uint64_t *dst_start);
-
 /* Structural check of a table: codebook, offsets monotone and in bounds, row
  * lengths, cluster ids. Returns IBP_E_CORRUPT and the first bad row in *bad_row. */
 int ibp_validate(const ibp_table *t, uint64_t *bad_row);
@@ -129,6 +122,81 @@ int ibp_decode(const ibp_table *t, const int64_t *idx, uint64_t n_idx, uint8_t *
 int ibp_lookup(const ibp_table *t, int dtype, uint32_t dim,
                const int64_t *indices, const int64_t *offsets, uint64_t n_bags,
                const float *weights, int mode, float *out);
+
+/* ---- Updatable tables (training) ----
+ * An ibp_store holds a table whose rows can be rewritten: rows are grouped in blocks
+ * of up to 64 rows (about 4 KB raw), each block packed with a little headroom; a
+ * block whose rows outgrow it moves to the end of the arena, and the arena is
+ * compacted in place once the space abandoned that way is worth reclaiming.
+ *
+ * Concurrency: every function may be called from any thread at any time. Reads
+ * (decode, lookup, export, info) share a reader/writer lock; writes (update,
+ * backward, compact, reset) hold it exclusively, so a read never sees a row half
+ * rewritten nor memory a write freed. Writers are preferred (no starvation). */
+typedef struct ibp_store ibp_store;
+
+typedef struct ibp_store_info {
+    uint64_t n_rows;
+    uint32_t row_bytes, word_bits, n_clusters, block_rows;
+    uint64_t live_bytes;   /* encoded rows */
+    uint64_t slack_bytes;  /* headroom left inside blocks */
+    uint64_t dead_bytes;   /* space of moved blocks, reclaimed by compaction */
+    uint64_t free_bytes;   /* allocated past the last block (tail pad included) */
+    uint64_t arena_bytes;  /* = live + slack + dead + free */
+    uint64_t index_bytes;  /* per-row and per-block index */
+    uint64_t meta_bytes;   /* masks, bitvals and their bit counts */
+    uint64_t moves;        /* blocks moved since creation */
+    uint64_t compactions;
+} ibp_store_info;
+
+/* A store holding a copy of packed table t (its codebook and rows). */
+int ibp_store_create(const ibp_table *t, ibp_store **out);
+void ibp_store_destroy(ibp_store *s);
+/* Replace the store's codebook and rows by packed table t's (a repack). */
+int ibp_store_reset(ibp_store *s, const ibp_table *t);
+int ibp_store_info_get(ibp_store *s, ibp_store_info *out);
+int ibp_store_decode(ibp_store *s, const int64_t *idx, uint64_t n_idx, uint8_t *out);
+int ibp_store_lookup(ibp_store *s, int dtype, uint32_t dim, const int64_t *indices,
+                     const int64_t *offsets, uint64_t n_bags, const float *weights, int mode,
+                     float *out);
+/* Packed copy of the rows: offsets [n_rows + 1], payload of payload_cap bytes
+ * (at least live_bytes + ibp_tail_pad; IBP_E_ARG when smaller, offsets then hold
+ * the sizes needed). */
+int ibp_store_export(ibp_store *s, uint64_t *offsets, uint8_t *payload, uint64_t payload_cap);
+/* Rewrite rows ids[0..n) (strictly increasing) with raw rows (n x row_bytes). */
+int ibp_store_update(ibp_store *s, const int64_t *ids, uint64_t n, const uint8_t *rows);
+/* Move every block back to back (dead space becomes free), trim the headroom. */
+int ibp_store_compact(ibp_store *s);
+
+/* Sparse optimizers of FBGEMM's fused TBE (fp32 rows), applied in backward. */
+#define IBP_OPT_SGD 0             /* EXACT_SGD */
+#define IBP_OPT_ADAGRAD 1         /* EXACT_ADAGRAD: momentum1 [n_rows * dim] */
+#define IBP_OPT_ROWWISE_ADAGRAD 2 /* EXACT_ROWWISE_ADAGRAD: momentum1 [n_rows] */
+#define IBP_WD_NONE 0
+#define IBP_WD_L2 1
+#define IBP_WD_DECOUPLE 2
+
+typedef struct ibp_sparse_optim {
+    int32_t kind;
+    int32_t weight_decay_mode; /* row-wise Adagrad only */
+    float learning_rate;
+    float eps;
+    float weight_decay;
+    uint32_t reserved;
+    float *momentum1;          /* NULL for SGD */
+} ibp_sparse_optim;
+
+/* Backward of pooled lookups into a float32 table fused with the optimizer step,
+ * as FBGEMM's CPU TBE does it: n_features features read the table; feature f's
+ * bags are offsets[f * batch + b .. + 1] into indices (offsets[0] = 0);
+ * grad (batch rows of grad_stride floats) holds feature f's output gradient at
+ * column grad_col[f]. Each distinct row gets the sum of its occurrences'
+ * gradients (in occurrence order; scaled by the per-sample weight, or 1/L for
+ * MEAN bags without weights), then one optimizer step; the row is re-encoded. */
+int ibp_store_backward(ibp_store *s, const ibp_sparse_optim *opt, uint32_t n_features,
+                       uint64_t batch, const int64_t *indices, const int64_t *offsets,
+                       const float *weights, int mode, const float *grad,
+                       uint64_t grad_stride, const uint64_t *grad_col);
 /* CFFI_END */
 
 #ifdef __cplusplus

@@ -4,6 +4,25 @@
 
 #include "ibp.h"
 
+/* One sparse optimizer step over the distinct rows of a batch (ibp_store_backward):
+ * occurrences sorted by row, rows[u] holds row ids[u] decoded and receives its
+ * updated value. */
+typedef struct ibp_train_job {
+    const ibp_sparse_optim *opt;
+    uint32_t dim;
+    int shared;              /* the table is read by several features (FBGEMM's generic kernel) */
+    const int64_t *ids;      /* [n] distinct rows, increasing */
+    const uint64_t *seg;     /* [n + 1] occurrences of row u: occ[seg[u] .. seg[u + 1]) */
+    const uint32_t *occ;     /* sorted occurrences: position in indices */
+    const uint32_t *occ_bag; /* [positions] feature * batch + bag */
+    const float *occ_scale;  /* [positions] scale, or NULL: unweighted sum */
+    const float *grad;
+    uint64_t grad_stride;
+    const uint64_t *grad_col;
+    uint64_t batch;
+    float *rows;             /* [n][dim] */
+} ibp_train_job;
+
 /* Row kernels, compiled once per instruction set (ibp_isa_*.c). */
 typedef struct ibp_kernels {
     int (*assign)(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
@@ -16,6 +35,8 @@ typedef struct ibp_kernels {
     int (*lookup)(const ibp_table *t, int dtype, uint32_t dim, const int64_t *indices,
                   const int64_t *offsets, uint64_t n_bags, const float *weights,
                   int mode, float *out);
+    /* Optimizer step of n distinct rows (ibp_optim.inc). */
+    int (*train_rows)(const ibp_train_job *job, uint64_t first, uint64_t last);
 } ibp_kernels;
 
 extern const ibp_kernels ibp_kernels_generic;
@@ -23,6 +44,8 @@ extern const ibp_kernels ibp_kernels_v3; /* x86-64-v3: BMI2 pext/pdep, AVX2, FMA
 extern const ibp_kernels ibp_kernels_avx512;
 
 int ibp_threads(void);
+/* The row kernels of the instruction set in use (ibp.c). */
+const ibp_kernels *ibp_active_kernels(void);
 
 /* Start of row i in the payload of a packed table (i may be n_rows: its end). */
 static inline uint64_t ibp_row_start(const ibp_table *t, uint64_t i)
@@ -35,9 +58,12 @@ static inline uint64_t ibp_row_start(const ibp_table *t, uint64_t i)
 /* Where row i is stored and how long it is, in either layout. */
 static inline void ibp_row_span(const ibp_table *t, uint64_t i, uint64_t *start, uint64_t *len)
 {
-    if (t->row_start) {
-        *start = t->row_start[i];
-        *len = t->row_len[i];
+    if (t->block_len) {
+        const uint16_t *rel = (const uint16_t *)t->rel;
+        uint64_t b = i >> t->block_shift, next = i + 1;
+        uint64_t end = (next >> t->block_shift) != b || next == t->n_rows ? t->block_len[b] : rel[next];
+        *start = t->block_base[b] + rel[i];
+        *len = end - rel[i];
     } else {
         *start = ibp_row_start(t, i);
         *len = ibp_row_start(t, i + 1) - *start;

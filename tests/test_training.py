@@ -4,12 +4,12 @@ The same model (embedding tables + a tiny dense head, BCE loss) is trained for 2
 steps on the same data from the same initial weights twice:
 
 (a) FBGEMM's SplitTableBatchedEmbeddingBagsCodegen (what TorchRec's ``fused`` kernel
-    runs) on the CPU (HOST placement) with EXACT_SGD or EXACT_ROWWISE_ADAGRAD, fp32;
-(b) IBPEmbeddingBagCollection(optimizer=ibp_embed.optim.SGD / RowWiseAdagrad), whose
-    tables stay IBP-compressed the whole time.
+    runs) on the CPU (HOST placement), fp32, EXACT_SGD / EXACT_ADAGRAD /
+    EXACT_ROWWISE_ADAGRAD (with and without weight decay);
+(b) IBPEmbeddingBagCollection(optimizer=ibp_embed.optim.SGD / Adagrad / RowWiseAdagrad),
+    whose tables stay IBP-compressed the whole time (libibp's fused backward).
 
-The loss curves, the final tables and the optimizer state must be bit-identical
-(ibp_embed.optim reproduces FBGEMM's CPU arithmetic operation by operation).
+The loss curves, the final tables and the optimizer state must be bit-identical.
 """
 import json
 
@@ -27,18 +27,20 @@ from torchrec.modules.embedding_configs import DataType, PoolingType  # noqa: E4
 
 from ibp_embed import _native  # noqa: E402
 from ibp_embed.datasets import zipf_ids  # noqa: E402
-from ibp_embed.optim import SGD, RowWiseAdagrad  # noqa: E402
+from ibp_embed.optim import SGD, Adagrad, RowWiseAdagrad  # noqa: E402
 from ibp_embed.store import UpdatableTable  # noqa: E402
 from ibp_embed.torchrec import IBPEmbeddingBagCollection  # noqa: E402
 
 SplitTBE = fbgemm_training.SplitTableBatchedEmbeddingBagsCodegen
 ComputeDevice = fbgemm_training.ComputeDevice
+WeightDecayMode = fbgemm_training.WeightDecayMode
 
 STEPS = 200
 B = 32
 LR = 0.05
+EPS = 1e-8
 # (name, rows, dim, features): t_shared is read by two features (FBGEMM's generic kernel).
-TABLES = [("t0", 500, 16, ["f0"]), ("t1", 2000, 8, ["f1"]), ("t2", 50, 16, ["f2"]),
+TABLES = [("t0", 500, 16, ["f0"]), ("t1", 2000, 8, ["f1"]), ("t2", 50, 20, ["f2"]),
           ("t_shared", 300, 12, ["f3", "f4"])]
 FEATURES = [f for t in TABLES for f in t[3]]
 
@@ -83,22 +85,44 @@ def head(total_dim):
     return torch.nn.Linear(total_dim, 1)
 
 
-def train_fbgemm(opt_type, pooling, weighted, batches):
-    feature_table_map = [i for i, t in enumerate(TABLES) for _ in t[3]]
+FB_OPT = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
+          "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+FB_WD = {"l2": WeightDecayMode.L2, "decouple": WeightDecayMode.DECOUPLE}
+
+
+def train_fbgemm(opt_name, pooling, weighted, batches, wd=None):
+    """FBGEMM's TBE on the same model. With weight decay every table gets an extra,
+    always empty feature: FBGEMM's CPU fast path (tables read by one feature) drops
+    weight decay, its generic path for shared tables applies it, and IBP applies it
+    to every table the generic path's way."""
+    extra = wd is not None
+    feature_table_map, real = [], []
+    for i, (_, _, _, fs) in enumerate(TABLES):
+        for _ in fs:
+            real.append(len(feature_table_map))
+            feature_table_map.append(i)
+        if extra and len(fs) == 1:
+            feature_table_map.append(i)
+    kw = {} if wd is None else {"weight_decay": wd[0], "weight_decay_mode": FB_WD[wd[1]]}
     tbe = SplitTBE([(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, n, d, _ in TABLES],
-                   feature_table_map=feature_table_map, optimizer=opt_type, learning_rate=LR, eps=1e-8,
+                   feature_table_map=feature_table_map, optimizer=FB_OPT[opt_name], learning_rate=LR, eps=EPS,
                    pooling_mode=PoolingMode.MEAN if pooling == "mean" else PoolingMode.SUM,
-                   weights_precision=fbgemm_training.SparseType.FP32)
+                   weights_precision=fbgemm_training.SparseType.FP32, **kw)
     with torch.no_grad():
         for w, init in zip(tbe.split_embedding_weights(), initial_tables()):
             w.copy_(init)
-    total_dim = sum(d for _, _, d, fs in TABLES for _ in fs)
-    dense = head(total_dim)
+    dims = [TABLES[t][2] for t in feature_table_map]
+    cols = torch.cat([torch.arange(sum(dims[:f]), sum(dims[:f + 1])) for f in real])
+    dense = head(int(cols.numel()))
     dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
     losses = []
     for values, lengths, weights, labels in batches:
+        if extra:  # empty bags for the extra features
+            full = torch.zeros(len(feature_table_map), B, dtype=lengths.dtype)
+            full[real] = lengths.view(len(real), B)
+            lengths = full.view(-1)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
-        pooled = tbe(values, offsets, weights)
+        pooled = tbe(values, offsets, weights)[:, cols]
         loss = torch.nn.functional.binary_cross_entropy_with_logits(dense(pooled).squeeze(1), labels)
         dense_opt.zero_grad()
         loss.backward()
@@ -106,8 +130,10 @@ def train_fbgemm(opt_type, pooling, weighted, batches):
         losses.append(loss.detach())
     tables = [w.detach().clone() for w in tbe.split_embedding_weights()]
     states = None
-    if opt_type == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
-        states = [s[0].detach().clone() for s in tbe.split_optimizer_states()]
+    if opt_name != "sgd":
+        states = [s[0].detach().clone().reshape(n, -1).squeeze(1) if opt_name == "rowwise_adagrad"
+                  else s[0].detach().clone().reshape(n, d)
+                  for s, (_, n, d, _) in zip(tbe.split_optimizer_states(), TABLES)]
     return torch.stack(losses), tables, states
 
 
@@ -135,28 +161,39 @@ def train_ibp(optimizer, pooling, weighted, batches):
         assert isinstance(bag.table, UpdatableTable)  # stayed compressed throughout
     tables = [ebc.embedding_bags[name].weight() for name, *_ in TABLES]
     states = None
-    if isinstance(optimizer, RowWiseAdagrad):
+    if not isinstance(optimizer, SGD):
         states = [ebc.embedding_bags[name].optimizer_state["momentum1"].clone() for name, *_ in TABLES]
     return torch.stack(losses), tables, states, ebc
 
 
 CASES = [
-    ("sgd", "sum", False),
-    ("rowwise_adagrad", "sum", False),
-    ("sgd", "mean", False),
-    ("rowwise_adagrad", "sum", True),
+    ("sgd", "sum", False, None),
+    ("sgd", "mean", False, None),
+    ("adagrad", "sum", False, None),
+    ("adagrad", "mean", False, None),
+    ("adagrad", "sum", True, None),
+    ("rowwise_adagrad", "sum", False, None),
+    ("rowwise_adagrad", "sum", True, None),
+    ("rowwise_adagrad", "mean", False, None),
+    ("rowwise_adagrad", "sum", False, (0.02, "l2")),
+    ("rowwise_adagrad", "sum", True, (0.02, "decouple")),
 ]
 
 
-@pytest.mark.parametrize("opt_name,pooling,weighted", CASES)
-def test_200_steps_match_fbgemm_bit_exact(opt_name, pooling, weighted):
+def ibp_optimizer(name, wd):
+    if name == "sgd":
+        return SGD(LR)
+    if name == "adagrad":
+        return Adagrad(LR, eps=EPS)
+    kw = {} if wd is None else {"weight_decay": wd[0], "weight_decay_mode": wd[1]}
+    return RowWiseAdagrad(LR, eps=EPS, **kw)
+
+
+@pytest.mark.parametrize("opt_name,pooling,weighted,wd", CASES)
+def test_200_steps_match_fbgemm_bit_exact(opt_name, pooling, weighted, wd):
     batches = make_batches(seed=7, weighted=weighted)
-    if opt_name == "sgd":
-        fb_opt, ibp_opt = EmbOptimType.EXACT_SGD, SGD(LR)
-    else:
-        fb_opt, ibp_opt = EmbOptimType.EXACT_ROWWISE_ADAGRAD, RowWiseAdagrad(LR, eps=1e-8)
-    fb_losses, fb_tables, fb_states = train_fbgemm(fb_opt, pooling, weighted, batches)
-    ibp_losses, ibp_tables, ibp_states, ebc = train_ibp(ibp_opt, pooling, weighted, batches)
+    fb_losses, fb_tables, fb_states = train_fbgemm(opt_name, pooling, weighted, batches, wd)
+    ibp_losses, ibp_tables, ibp_states, ebc = train_ibp(ibp_optimizer(opt_name, wd), pooling, weighted, batches)
 
     # the model did train (rows moved), and in the same way
     assert not torch.equal(fb_tables[0], initial_tables()[0])
@@ -169,11 +206,32 @@ def test_200_steps_match_fbgemm_bit_exact(opt_name, pooling, weighted):
             assert torch.equal(a, b), f"momentum1 of {name} differs"
 
     stats = ebc.memory_stats()
-    expected_state = sum(n * 4 for _, n, _, _ in TABLES) if fb_states is not None else 0
+    expected_state = sum(s.numel() * 4 for s in ibp_states) if ibp_states is not None else 0
     assert stats["optimizer_state_bytes"] == expected_state
     assert stats["raw_bytes"] == sum(n * d * 4 for _, n, d, _ in TABLES)
     assert stats["total_bytes"] == stats["compressed_bytes"] + expected_state
     assert 0 < stats["live_bytes"] <= stats["compressed_bytes"]
+
+
+def test_weighted_mean_gradient_is_w_over_l():
+    """A weighted MEAN bag pools sum(w x) / L; its rows get w / L of the bag's gradient
+    (FBGEMM's CPU backward drops the 1/L there; see ibp_embed.optim)."""
+    configs = [EmbeddingBagConfig(name="t", num_embeddings=20, embedding_dim=4, feature_names=["f"],
+                                  pooling=PoolingType.MEAN)]
+    ebc = IBPEmbeddingBagCollection(configs, is_weighted=True, optimizer=SGD(1.0))
+    before = ebc.embedding_bags["t"].weight()
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([3, 5, 3, 7]),
+                                              lengths=torch.tensor([3, 1]),
+                                              weights=torch.tensor([0.5, 2.0, 0.25, 4.0]))
+    out = ebc(kjt).values()
+    expected = torch.stack([(0.5 * before[3] + 2.0 * before[5] + 0.25 * before[3]) / 3, 4.0 * before[7]])
+    torch.testing.assert_close(out, expected)
+    g = torch.tensor([[1.0, 2.0, 3.0, 4.0], [-1.0, 0.5, 0.0, 2.0]])
+    out.backward(g)
+    after = ebc.embedding_bags["t"].weight()
+    torch.testing.assert_close(after[3], before[3] - 0.75 / 3 * g[0])
+    torch.testing.assert_close(after[5], before[5] - 2.0 / 3 * g[0])
+    torch.testing.assert_close(after[7], before[7] - 4.0 * g[1])
 
 
 def test_no_dense_gradient_and_inference_path_unchanged():
@@ -197,8 +255,8 @@ def test_no_dense_gradient_and_inference_path_unchanged():
 
 
 def test_update_that_compacts_replans_rows_written_in_place():
-    """Regression: an update that compacts the arena must re-check which rows still fit
-    their (now shrunk) slots; it used to write them in place over their neighbours."""
+    """An update that compacts the arena must re-plan which blocks still fit their
+    (trimmed) capacity before writing any in place."""
     import ibp_embed
 
     g = torch.Generator().manual_seed(3)
@@ -225,13 +283,13 @@ def test_update_that_compacts_replans_rows_written_in_place():
     a, c = torch.arange(0, 1200), torch.arange(1200, n)
     for k in (2, 4, 6, 8):  # A's rows grow and move four times: the arena fills with dead slots
         upd(a, broken(k))
-    upd(a, base)  # back to short rows in long slots
-    assert t.dead_bytes > 0.5 * (t.live_bytes + t.dead_bytes)
+    upd(a, base)  # back to short rows in blocks with room to spare
     # C grows past its slots (forcing compaction) while A gets rows that fit A's slots
     # before compaction but not after it
     rows = torch.cat([broken(4)[a], torch.rand(n - 1200, 16, generator=g) * 1e4 - 5e3])
     t.update(torch.cat([a, c]), rows)
     ref[:] = rows
+    assert t.info()["compactions"] > 0
     assert torch.equal(t.decompress().view(torch.int32), ref.view(torch.int32))
 
 
@@ -301,8 +359,9 @@ def test_memory_figures_and_trainable_checks():
     assert s["optimizer_state_bytes"] == (64 + 32) * 4 == ebc.optimizer_state_nbytes
     assert s["compressed_bytes"] == ebc.compressed_nbytes
     assert s["total_bytes"] == s["compressed_bytes"] + s["optimizer_state_bytes"]
-    assert s["index_bytes"] == (64 + 32) * 16
-    assert s["live_bytes"] <= s["arena_bytes"] and s["compressed_bytes"] >= s["arena_bytes"] + s["index_bytes"]
+    assert s["index_bytes"] == (64 + 1) * 2 + 2 * 16 + (32 + 1) * 2 + 2 * 16  # 2 B a row, 16 a block
+    arena = s["live_bytes"] + s["slack_bytes"] + s["dead_bytes"] + s["free_bytes"]
+    assert s["compressed_bytes"] > arena + s["index_bytes"]
     expected = ebc.embedding_bags["a"].table.packed_nbytes
     assert ebc.embedding_bags["a"].table.to_table().nbytes == expected
     inference = _tiny()
@@ -321,69 +380,3 @@ def test_memory_figures_and_trainable_checks():
         out.backward()
 
 
-def _replica_worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    configs = [EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa"]),
-               EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=4, feature_names=["fb", "fc"],
-                                  pooling=PoolingType.MEAN)]
-    ebc = IBPEmbeddingBagCollection(configs, is_weighted=True, device="meta", optimizer=RowWiseAdagrad(0.1),
-                                    process_group=dist.group.WORLD)
-    g = torch.Generator().manual_seed(0)
-    ebc.load_state_dict({"embedding_bags.a.weight": torch.randn(40, 8, generator=g) * 0.01,
-                         "embedding_bags.b.weight": torch.randn(30, 4, generator=g) * 0.01}, strict=False)
-    for step in range(6):
-        kjt, coef = _replica_batch(step, rank)
-        (ebc(kjt).values() * coef).sum().backward()
-    torch.save({n: (b.weight(), b.optimizer_state["momentum1"]) for n, b in ebc.embedding_bags.items()},
-               f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-def _replica_batch(step, rank):
-    """Rank `rank`'s batch at `step`: uneven batch sizes (3 and 5), weighted ids."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    b = 3 + 2 * rank
-    lengths = torch.randint(0, 4, (3 * b,), generator=g)
-    values = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
-    weights = torch.rand(values.numel(), generator=g)
-    coef = torch.randn(b, 16, generator=g)
-    return KeyedJaggedTensor.from_lengths_sync(keys=["fa", "fb", "fc"], values=values, lengths=lengths,
-                                               weights=weights), coef
-
-
-def test_replicated_tables_across_ranks_stay_identical_and_match_one_process(tmp_path):
-    """process_group mode: 2 gloo ranks, uneven weighted batches, a MEAN table read by two
-    features: both replicas equal each other and one process training on the global batch
-    (rank order, gradients divided by the world size as TorchRec does)."""
-    import torch.multiprocessing as mp
-
-    world = 2
-    mp.spawn(_replica_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(world))
-    configs = [EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa"]),
-               EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=4, feature_names=["fb", "fc"],
-                                  pooling=PoolingType.MEAN)]
-    one = IBPEmbeddingBagCollection(configs, is_weighted=True, device="meta", optimizer=RowWiseAdagrad(0.1))
-    g = torch.Generator().manual_seed(0)
-    one.load_state_dict({"embedding_bags.a.weight": torch.randn(40, 8, generator=g) * 0.01,
-                         "embedding_bags.b.weight": torch.randn(30, 4, generator=g) * 0.01}, strict=False)
-    for step in range(6):
-        parts = [_replica_batch(step, r) for r in range(world)]
-        keys = ["fa", "fb", "fc"]
-        values, lengths, weights = [], [], []
-        for k in range(3):  # feature-major, then rank order: the global batch
-            for kjt, _ in parts:
-                jt = kjt[keys[k]]
-                values.append(jt.values())
-                lengths.append(jt.lengths())
-                weights.append(jt.weights())
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
-                                                  weights=torch.cat(weights))
-        coef = torch.cat([c for _, c in parts]) / world
-        (one(kjt).values() * coef).sum().backward()
-    for name, bag in one.embedding_bags.items():
-        for a, b, c in zip(r0[name], r1[name], (bag.weight(), bag.optimizer_state["momentum1"])):
-            assert torch.equal(a, b) and torch.equal(a, c), name

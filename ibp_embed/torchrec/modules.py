@@ -41,8 +41,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..codec import compress
 from ..io import atomic_file, load as load_table
-from ..optim import SparseOptimizer, make_optimizer, row_gradients, state_nbytes
-from ..store import UpdatableTable
+from ..optim import SparseOptimizer, make_optimizer, state_nbytes
+from ..store import UpdatableTable, memory_stats
 from ..table import CompressedTable
 
 __all__ = [
@@ -250,6 +250,20 @@ def run_lookup_jobs(jobs, b: int, dedup: str) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def concat_features(items):
+    """One table's features [(ids, bag offsets [B+1] from 0, weights or None, output column)]
+    as (indices, offsets [F*B+1], weights or None, columns), feature after feature: the
+    layout FBGEMM's TBE takes for a table read by several features."""
+    if len(items) == 1:
+        ids, off, ws, col = items[0]
+        return ids, off, ws, [col]
+    indices = np.concatenate([it[0] for it in items])
+    starts = np.cumsum([0] + [int(it[1][-1]) for it in items[:-1]])
+    offsets = np.concatenate([items[0][1][:1]] + [it[1][1:] + st for it, st in zip(items, starts)])
+    weights = None if items[0][2] is None else np.concatenate([it[2] for it in items])
+    return indices, offsets, weights, [it[3] for it in items]
+
+
 def compress_weight(weight: torch.Tensor, dtype: torch.dtype, codec_options: Dict[str, Any]) -> CompressedTable:
     w = weight.detach()
     if w.device.type == "meta":
@@ -303,7 +317,7 @@ class IBPEmbeddingBag(nn.Module):
             self.set_table(self.table)
 
     def reset_state(self) -> None:
-        self.optimizer_state = {} if self.optimizer is None else self.optimizer.init_state(self.num_embeddings)
+        self.optimizer_state = {} if self.optimizer is None else self.optimizer.init_state(self.num_embeddings, self.embedding_dim)
 
     def set_table(self, table: Union[CompressedTable, UpdatableTable]) -> None:
         if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
@@ -313,7 +327,7 @@ class IBPEmbeddingBag(nn.Module):
             raise ValueError(f"table {self.name!r}: compressed table holds {table.dtype}, "
                              f"the config says {self.dtype}")
         if self.trainable and not isinstance(table, UpdatableTable):
-            table = UpdatableTable(table, repack_drift=self._repack_drift)
+            table = UpdatableTable(table, repack_drift=self._repack_drift, codec_options=self._codec_options)
         self.table = table
 
     def load_weight(self, weight: torch.Tensor) -> None:
@@ -455,12 +469,6 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             save_compressed and is counted by :meth:`memory_stats`.
         repack_drift: trainable tables rebuild their masks once their stored rows grew
             by this fraction since the last (re)pack (None: never automatically).
-        process_group: training only. Data-parallel training with a full replica of
-            every table on each rank: backward all-gathers every rank's ids and output
-            gradients and each rank applies the same update, the one a table-wise sharded
-            TorchRec table gets (the global batch in rank order, output gradients divided
-            by the world size as TorchRec's gradient division does), so the replicas stay
-            identical. Every rank must call forward/backward in step.
         word_bits, clusters, threshold, sample_rows, seed, progress: codec options
             passed to :func:`ibp_embed.compress` whenever a table is (re)compressed.
     """
@@ -468,7 +476,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
                  device: Optional[torch.device] = None, *, ignore_extra_features: bool = False,
                  dedup: str = "never", optimizer: Optional[SparseOptimizer] = None,
-                 repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT, process_group=None,
+                 repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                  _tables: Optional[Dict[str, CompressedTable]] = None,
                  **codec_options: Any) -> None:
         super().__init__()
@@ -480,9 +488,6 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._embedding_bag_configs = tables
         self.embedding_bags: nn.ModuleDict = nn.ModuleDict()
         self._optimizer: Optional[SparseOptimizer] = None
-        self._process_group = process_group
-        if process_group is not None and optimizer is None:
-            raise ValueError("process_group is for training: pass an optimizer too")
         names = set()
         for config in tables:
             if config.name in names:
@@ -517,7 +522,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                                       ignore_extra_features: bool = False, dedup: str = "never",
                                       optimizer: Optional[SparseOptimizer] = None,
                                       repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
-                                      process_group=None, **codec_options: Any) -> "IBPEmbeddingBagCollection":
+                                      **codec_options: Any) -> "IBPEmbeddingBagCollection":
         """Compress the tables of an existing (e.g. trained) EmbeddingBagCollection.
         With `optimizer`, the result is trainable (see the class docstring)."""
         if not isinstance(ebc, EmbeddingBagCollectionInterface) or not hasattr(ebc, "embedding_bags"):
@@ -541,8 +546,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                            torch.bfloat16: DataType.BF16}[weight.dtype]
             tables[c.name] = compress_weight(weight, weight.dtype, codec_options)
         return cls(configs, is_weighted=ebc.is_weighted(), ignore_extra_features=ignore_extra_features,
-                   dedup=dedup, optimizer=optimizer, repack_drift=repack_drift, process_group=process_group,
-                   _tables=tables, **codec_options)
+                   dedup=dedup, optimizer=optimizer, repack_drift=repack_drift, _tables=tables, **codec_options)
 
     def to_embedding_bag_collection(self, device=None) -> EmbeddingBagCollection:
         """A plain TorchRec EmbeddingBagCollection holding the decompressed tables
@@ -579,36 +583,18 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return {name: bag.optimizer_state for name, bag in self.embedding_bags.items()}
 
     def _apply_sparse_update(self, jobs, b: int, grad_out: torch.Tensor) -> None:
-        """Backward of a trainable forward: per table, per-row gradients of the batch's
-        rows (every feature of the table, in config order), then one optimizer step."""
-        grad_out = grad_out.detach().to("cpu", torch.float32).contiguous()
-        per_slot = []  # (slot, ids int64 tensor, offsets [B'+1], weights or None, grad [B', dim])
+        """Backward of a trainable forward: per table, the rows its features touched
+        get their summed gradients and one optimizer step (in libibp)."""
+        by_table: Dict[str, list] = {}
         col = 0
         for s, ids, bag_off, ws in jobs:
-            g = grad_out[:, col:col + s.dim]
+            by_table.setdefault(s.table_name, []).append((ids, bag_off, ws, col))
             col += s.dim
-            per_slot.append((s, torch.from_numpy(np.ascontiguousarray(ids)),
-                             torch.from_numpy(np.ascontiguousarray(bag_off)),
-                             None if ws is None else torch.from_numpy(np.ascontiguousarray(ws)), g))
-        if self._process_group is not None:
-            per_slot = _all_gather_slots(per_slot, self._process_group, self._is_weighted)
-        by_table: Dict[str, list] = {}
-        for item in per_slot:
-            by_table.setdefault(item[0].table_name, []).append(item)
         for name, items in by_table.items():
             bag = self.embedding_bags[name]
-            if len(items) == 1:
-                _, ids, off, ws, g = items[0]
-            else:  # feature after feature, as FBGEMM sees a shared table
-                ids = torch.cat([it[1] for it in items])
-                starts = torch.tensor([0] + [int(it[2][-1]) for it in items[:-1]]).cumsum(0)
-                off = torch.cat([items[0][2][:1]] + [it[2][1:] + st for it, st in zip(items, starts)])
-                ws = None if items[0][3] is None else torch.cat([it[3] for it in items])
-                g = torch.cat([it[4] for it in items], dim=0)
-            if ids.numel() == 0:
-                continue
-            row_ids, grads = row_gradients(ids, off, g, ws, bag.mode)
-            self._optimizer.step(bag.table, bag.optimizer_state, row_ids, grads, shared=len(items) > 1)
+            indices, offsets, weights, cols = concat_features(items)
+            bag.table.apply_gradients(self._optimizer, bag.optimizer_state, indices, offsets, b, grad_out,
+                                      cols, weights, bag.mode)
 
     # ---- EmbeddingBagCollectionInterface ----
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -642,41 +628,18 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return sum(b.optimizer_state_nbytes for b in self.embedding_bags.values())
 
     def memory_stats(self) -> Dict[str, int]:
-        """Memory figures in bytes:
-
-        raw_bytes: the tables uncompressed (what TorchRec's EBC holds);
-        compressed_bytes: what the tables hold now (compressed_nbytes);
-        live_bytes / dead_bytes: of trainable tables, bytes of the rows as encoded now and
-            arena bytes below the log's end holding no live row (0 when not trainable);
-        arena_bytes / index_bytes: of trainable tables, the arena allocations (live rows,
-            dead space and the free space past the log's end) and the per-row index
-            (start, length, slot: 16 bytes a row); compressed_bytes = arena_bytes +
-            index_bytes + masks for trainable tables;
-        packed_bytes: the tables packed as save_compressed writes them (trainable:
-            live rows + index + masks as a CompressedTable would hold them; inference:
-            compressed_bytes);
+        """Memory figures in bytes (see ibp_embed.store.memory_stats for the table
+        figures: raw_bytes, compressed_bytes held now, packed_bytes, and for trainable
+        tables live / slack / dead / free / index bytes), plus
         optimizer_state_bytes: the optimizer state (uncompressed);
         total_bytes: compressed_bytes + optimizer_state_bytes;
         raw_total_bytes: raw_bytes + optimizer_state_bytes (the uncompressed model with
-            the same optimizer state, for comparison).
-        """
-        live = dead = packed = arena = index = 0
-        for b in self.embedding_bags.values():
-            t = b.table
-            if t is None:
-                continue
-            if isinstance(t, UpdatableTable):
-                live += t.live_bytes
-                dead += t.dead_bytes
-                arena += int(t._arena.nbytes)
-                index += int(t._start.nbytes + t._len.nbytes + t._slot.nbytes)
-                packed += t.packed_nbytes
-            else:
-                packed += t.nbytes
-        comp, opt, raw = self.compressed_nbytes, self.optimizer_state_nbytes, self.raw_nbytes
-        return {"raw_bytes": raw, "compressed_bytes": comp, "live_bytes": live, "dead_bytes": dead,
-                "arena_bytes": arena, "index_bytes": index, "packed_bytes": packed,
-                "optimizer_state_bytes": opt, "total_bytes": comp + opt, "raw_total_bytes": raw + opt}
+            the same optimizer state, for comparison)."""
+        stats = memory_stats(b.table for b in self.embedding_bags.values() if b.table is not None)
+        opt = self.optimizer_state_nbytes
+        stats.update(raw_bytes=self.raw_nbytes, optimizer_state_bytes=opt,
+                     total_bytes=stats["compressed_bytes"] + opt, raw_total_bytes=self.raw_nbytes + opt)
+        return stats
 
     def reset_parameters(self) -> None:
         """Re-initialise every table with its config's init_fn, then compress it (and
@@ -806,7 +769,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def load_compressed(cls, path, *, mmap: bool = False, verify: bool = True,
                         ignore_extra_features: bool = False, dedup: str = "never",
                         optimizer: Optional[SparseOptimizer] = None,
-                        repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT, process_group=None,
+                        repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                         **codec_options: Any) -> "IBPEmbeddingBagCollection":
         """Open a directory written by save_compressed. mmap=True maps the .ibp files
         (inference only: a trainable module copies its tables into arenas).
@@ -852,7 +815,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         opts.update(codec_options)
         module = cls(configs, is_weighted=bool(manifest["is_weighted"]),
                      ignore_extra_features=ignore_extra_features, dedup=dedup, optimizer=optimizer,
-                     repack_drift=repack_drift, process_group=process_group, _tables=tables,
+                     repack_drift=repack_drift, _tables=tables,
                      **check_codec_options(opts))
         for name, st in states.items():
             bag = module.embedding_bags[name]
@@ -866,69 +829,6 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def extra_repr(self) -> str:
         opt = f", optimizer={self._optimizer!r}" if self.trainable else ""
         return f"is_weighted={self._is_weighted}, device={self._device}, dedup={self.dedup!r}{opt}"
-
-
-def _all_gather_slots(per_slot, pg, weighted: bool):
-    """Every rank's (ids, offsets, weights, grad) per slot, concatenated in rank order."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(pg)
-    if world == 1:
-        return per_slot
-    n_slots = len(per_slot)
-    b = per_slot[0][4].shape[0] if per_slot else 0
-    counts = torch.tensor([b] + [int(it[1].numel()) for it in per_slot], dtype=torch.int64)
-    all_counts = [torch.zeros_like(counts) for _ in range(world)]
-    dist.all_gather(all_counts, counts, group=pg)
-    max_b = max(int(c[0]) for c in all_counts)
-    max_n = max(int(c[1:].sum()) for c in all_counts) if n_slots else 0
-    ids = torch.zeros(max_n, dtype=torch.int64)
-    lengths = torch.zeros(n_slots, max_b, dtype=torch.int64)
-    dims = sum(it[4].shape[1] for it in per_slot)
-    grads = torch.zeros(max_b, dims, dtype=torch.float32)
-    wts = torch.zeros(max_n, dtype=torch.float32)
-    pos = col = 0
-    for i, (_, sid, off, ws, g) in enumerate(per_slot):
-        n = sid.numel()
-        ids[pos:pos + n] = sid
-        if ws is not None:
-            wts[pos:pos + n] = ws
-        lengths[i, :b] = off[1:] - off[:-1]
-        grads[:b, col:col + g.shape[1]] = g
-        pos += n
-        col += g.shape[1]
-    parts = {}
-    for name, t in (("ids", ids), ("lengths", lengths), ("grads", grads), ("w", wts)):
-        if name == "w" and not weighted:
-            continue
-        out = [torch.zeros_like(t) for _ in range(world)]
-        dist.all_gather(out, t, group=pg)
-        parts[name] = out
-    result = []
-    col = 0
-    starts = [0] * world
-    for i, (s, _, _, _, g) in enumerate(per_slot):
-        dim = g.shape[1]
-        ids_i, off_i, w_i, g_i = [], [], [], []
-        total = 0
-        for r in range(world):
-            br, n = int(all_counts[r][0]), int(all_counts[r][1 + i])
-            lo = starts[r]
-            ids_i.append(parts["ids"][r][lo:lo + n])
-            if weighted:
-                w_i.append(parts["w"][r][lo:lo + n])
-            lens = parts["lengths"][r][i, :br]
-            off_i.append(torch.cumsum(lens, 0) + total)
-            total += n
-            g_i.append(parts["grads"][r][:br, col:col + dim])
-            starts[r] += n
-        col += dim
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64)] + off_i)
-        # As TorchRec's pooled all-to-all backward (gradient division, on by default):
-        # the global batch's output gradients divided by the world size.
-        grads_i = torch.cat(g_i).div_(world)
-        result.append((s, torch.cat(ids_i), offsets, torch.cat(w_i) if weighted else None, grads_i))
-    return result
 
 
 def _write_npy(target: Path, array: np.ndarray) -> None:

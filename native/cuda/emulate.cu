@@ -40,8 +40,8 @@ int host_table(const ibp_table *h, HostTable *ht)
 {
     if (!h)
         return fail(IBP_CUDA_E_ARG, "emulate: null table");
-    if (h->row_start || h->row_len)
-        return fail(IBP_CUDA_E_ARG, "emulate: tables in arena mode are not supported");
+    if (h->block_len)
+        return fail(IBP_CUDA_E_ARG, "emulate: updatable (store-mode) tables are not supported");
     const ibp_codebook &cb = h->cb;
     if (!cb.masks || !cb.bitvals || !h->block_base || !h->rel || !h->payload)
         return fail(IBP_CUDA_E_ARG, "emulate: null table pointer");

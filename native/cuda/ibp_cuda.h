@@ -37,7 +37,7 @@ extern "C" {
 #endif
 
 /* CFFI_BEGIN */
-#define IBP_CUDA_ABI_VERSION 1
+#define IBP_CUDA_ABI_VERSION 2
 
 /* Return codes (the first four match libibp's IBP_E_*). */
 #define IBP_CUDA_OK 0

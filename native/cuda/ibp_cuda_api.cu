@@ -416,9 +416,9 @@ int ibp_cuda_table_create(const ibp_table *h, int device, int placement, ibp_cud
     *out = nullptr;
     if (!h || !h->cb.masks || !h->cb.bitvals || !h->block_base || !h->rel || !h->payload)
         return fail(IBP_CUDA_E_ARG, "table_create: null table pointer");
-    if (h->row_start || h->row_len)
-        return fail(IBP_CUDA_E_ARG, "table_create: a table in arena mode (being updated) cannot be "
-                    "placed on a device; place a compacted, immutable table");
+    if (h->block_len)
+        return fail(IBP_CUDA_E_ARG, "table_create: an updatable (store-mode) table cannot be "
+                    "placed on a device; place a packed, immutable table");
     const ibp_codebook &cb = h->cb;
     if (cb.word_bits != 16 && cb.word_bits != 32 && cb.word_bits != 64)
         return fail(IBP_CUDA_E_ARG, "table_create: word size %u (16, 32 or 64)", cb.word_bits);
