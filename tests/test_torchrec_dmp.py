@@ -27,6 +27,7 @@ from ibp_embed.torchrec import (  # noqa: E402
 WORLD = 2
 B = 6  # local batch per rank
 TW, CW = ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value
+RW, TWRW = ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value
 
 
 def tables():
@@ -149,12 +150,17 @@ def test_stock_estimators_cannot_cost_the_kernel():
         planner.plan(Model(), [IBPEmbeddingBagCollectionSharder()])
 
 
-def test_constraint_helper_rejects_row_wise():
-    with pytest.raises(ValueError, match="row-wise needs CUDA"):
-        ibp_constraints(["t"], sharding_types=["row_wise"])
+def test_sharder_offers_the_ibp_kernel_for_five_sharding_types_on_cpu():
+    with pytest.raises(ValueError, match="data_parallel"):
+        ibp_constraints(["t"], sharding_types=["data_parallel"])
+    assert ibp_constraints(["t"])["t"].sharding_types == [TW, CW, RW]
     sharder = IBPEmbeddingBagCollectionSharder()
-    assert IBP_COMPUTE_KERNEL in sharder.compute_kernels(TW, "cpu")
-    assert IBP_COMPUTE_KERNEL in sharder.compute_kernels(CW, "cpu")
+    for st in (TW, CW, ShardingType.TABLE_COLUMN_WISE.value, RW, TWRW):
+        assert st in sharder.sharding_types("cpu")
+        assert IBP_COMPUTE_KERNEL in sharder.compute_kernels(st, "cpu")
+    # TorchRec's own kernels keep TorchRec's offer: row-wise on CUDA only
+    assert sharder.compute_kernels(RW, "cpu") == [IBP_COMPUTE_KERNEL]
+    assert "fused" in sharder.compute_kernels(TW, "cpu")
     assert IBP_COMPUTE_KERNEL not in sharder.compute_kernels(TW, "cuda")
     assert IBP_COMPUTE_KERNEL not in sharder.compute_kernels(ShardingType.DATA_PARALLEL.value, "cpu")
 
@@ -294,8 +300,8 @@ def test_unsupported_sharding_of_ibp_tables():
     from ibp_embed.torchrec import IBPShardedEmbeddingBagCollection
 
     model = Model(device=torch.device("meta"))
-    for st, msg in ((ShardingType.ROW_WISE.value, "only on CUDA"),
-                    (ShardingType.DATA_PARALLEL.value, "immutable")):
+    for st, msg in ((ShardingType.GRID_SHARD.value, "not supported"),
+                    (ShardingType.DATA_PARALLEL.value, "stay on FBGEMM")):
         params = {"ibp_tw": ParameterSharding(sharding_type=st, compute_kernel=IBP_COMPUTE_KERNEL, ranks=[0])}
         with pytest.raises(NotImplementedError, match=msg):
             IBPShardedEmbeddingBagCollection(model.ebc, params, env=None)

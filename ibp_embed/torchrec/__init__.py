@@ -5,17 +5,21 @@
 * :class:`IBPEmbeddingBagCollectionSharder` + :func:`ibp_constraints` +
   :func:`ibp_planner` - keep a plain TorchRec EmbeddingBagCollection and put chosen
   tables on IBP storage under DistributedModelParallel (``customized_kernel``), next to
-  tables on TorchRec's own kernels.
+  tables on TorchRec's own kernels; they train with the plan's fused optimizer.
 """
-from .modules import FeatureKeyError, IBPEmbeddingBag, IBPEmbeddingBagCollection
 from .distributed import (
     IBP_COMPUTE_KERNEL,
     IBP_SHARDING_TYPES,
-    IBPBatchedEmbeddingBag,
     IBPEmbeddingBagCollectionSharder,
     IBPGroupedPooledEmbeddingsLookup,
-    IBPPerfEstimatorConfig,
     IBPShardedEmbeddingBagCollection,
+)
+from .fused_optimizer import IBPFusedOptimizer, optimizer_from_fused_params
+from .kernel import IBPBatchedEmbeddingBag
+from .lookup import FeatureKeyError
+from .modules import IBPEmbeddingBag, IBPEmbeddingBagCollection
+from .planner import (
+    IBPPerfEstimatorConfig,
     IBPStorageEstimator,
     ibp_constraints,
     ibp_estimators,
@@ -29,6 +33,7 @@ __all__ = [
     "IBP_COMPUTE_KERNEL",
     "IBP_SHARDING_TYPES",
     "IBPBatchedEmbeddingBag",
+    "IBPFusedOptimizer",
     "IBPEmbeddingBagCollectionSharder",
     "IBPGroupedPooledEmbeddingsLookup",
     "IBPPerfEstimatorConfig",
@@ -37,4 +42,5 @@ __all__ = [
     "ibp_constraints",
     "ibp_estimators",
     "ibp_planner",
+    "optimizer_from_fused_params",
 ]

@@ -26,7 +26,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import torch
@@ -39,11 +39,24 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..codec import compress
 from ..io import atomic_file, load as load_table
 from ..optim import SparseOptimizer, make_optimizer, state_nbytes
 from ..store import UpdatableTable, memory_stats
 from ..table import CompressedTable
+from .lookup import (
+    FeatureKeyError,
+    Slot,
+    check_codec_options,
+    check_dedup,
+    compress_weight,
+    concat_features,
+    lookup_jobs,
+    pooled_lookup,
+    pooling_mode,
+    resolve_device,
+    table_dtype,
+    training_lookup,
+)
 
 __all__ = [
     "IBPEmbeddingBag",
@@ -58,219 +71,6 @@ MANIFEST_VERSION = 1
 
 # Trainable tables rebuild their masks once the stored rows grew this much (UpdatableTable).
 DEFAULT_REPACK_DRIFT = 0.05
-
-# Codec options accepted by the modules and passed to ibp_embed.compress.
-CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress")
-
-_DATA_TYPES = {
-    DataType.FP32.value: torch.float32,
-    DataType.FP16.value: torch.float16,
-    DataType.BF16.value: torch.bfloat16,
-}
-_POOLING_MODES = {PoolingType.SUM.value: "sum", PoolingType.MEAN.value: "mean"}
-
-CUDA_MISSING = (
-    "ibp_embed has no CUDA lookup path yet (the native library decodes on the CPU "
-    "only); keep IBPEmbeddingBagCollection on device='cpu' (or 'meta'), and feed it CPU "
-    "KeyedJaggedTensors"
-)
-
-
-class FeatureKeyError(KeyError):
-    """A KeyedJaggedTensor lacks a feature the module needs, or carries one it does not know."""
-
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0]) if self.args else ""
-
-
-def check_codec_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    unknown = sorted(set(options) - set(CODEC_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown codec option(s) {unknown}; expected some of {list(CODEC_OPTIONS)}")
-    return dict(options)
-
-
-def table_dtype(config: EmbeddingBagConfig) -> torch.dtype:
-    dtype = _DATA_TYPES.get(config.data_type.value)
-    if dtype is None:
-        raise ValueError(f"table {config.name!r}: data_type {config.data_type.value} is not supported "
-                         f"(use FP32, FP16 or BF16)")
-    return dtype
-
-
-def pooling_mode(config_or_pooling) -> str:
-    pooling = getattr(config_or_pooling, "pooling", config_or_pooling)
-    mode = _POOLING_MODES.get(pooling.value)
-    if mode is None:
-        raise ValueError(f"pooling {pooling.value} is not supported (use SUM or MEAN)")
-    return mode
-
-
-def resolve_device(device) -> torch.device:
-    """cpu (default) or meta; cuda raises NotImplementedError naming the missing path."""
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cuda":
-        raise NotImplementedError(CUDA_MISSING)
-    if device.type not in ("cpu", "meta"):
-        raise ValueError(f"device {device} is not supported (use 'cpu' or 'meta')")
-    return device
-
-
-# ---------------------------------------------------------------------------
-# Pooled lookups over a KeyedJaggedTensor
-# ---------------------------------------------------------------------------
-
-class _Slot:
-    """What the key at one position of an input KJT is looked up in."""
-
-    __slots__ = ("table", "mode", "dim", "n_rows", "feature", "table_name")
-
-    def __init__(self, table: Optional[CompressedTable], mode: str, dim: int, n_rows: int,
-                 feature: str, table_name: str):
-        self.table, self.mode, self.dim, self.n_rows = table, mode, dim, n_rows
-        self.feature, self.table_name = feature, table_name
-
-
-def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
-    """(values int64 np, offsets np [F*B+1], weights float32 np or None, B), validated."""
-    if kjt.variable_stride_per_key():
-        raise NotImplementedError(f"{who}: variable batch size per feature (VBE) is not supported")
-    inv = kjt.inverse_indices_or_none()
-    if inv is not None:
-        raise NotImplementedError(f"{who}: KeyedJaggedTensor inverse indices (VBE) are not supported")
-    values = kjt.values()
-    if values.device.type == "cuda":
-        raise NotImplementedError(CUDA_MISSING)
-    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-        raise TypeError(f"{who}: ids must be integers, got {values.dtype}")
-    weights = kjt.weights_or_none()
-    if weighted and weights is None:
-        raise ValueError(f"{who} is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
-    if not weighted and weights is not None:
-        raise ValueError(f"{who} is unweighted (is_weighted=False) but the KeyedJaggedTensor carries "
-                         f"weights; build the module with is_weighted=True or drop the weights")
-    b = kjt.stride()
-    n_values = values.numel()
-    off = kjt.offsets()
-    off_np = np.ascontiguousarray(off.detach().to("cpu", torch.int64).numpy())
-    if off_np.shape != (n_keys * b + 1,):
-        raise ValueError(f"{who}: offsets have {off_np.size} entries, expected "
-                         f"{n_keys} keys x batch {b} + 1 = {n_keys * b + 1}")
-    if off_np[0] != 0 or off_np[-1] != n_values or (off_np.size > 1 and np.any(np.diff(off_np) < 0)):
-        raise ValueError(f"{who}: offsets must run from 0 to len(values) = {n_values} without "
-                         f"decreasing (got {int(off_np[0])} .. {int(off_np[-1])})")
-    vals = np.ascontiguousarray(values.detach().reshape(-1).to("cpu", torch.int64).numpy())
-    w = None
-    if weights is not None:
-        if weights.numel() != n_values:
-            raise ValueError(f"{who}: {weights.numel()} weights for {n_values} ids")
-        w = np.ascontiguousarray(weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
-    return vals, off_np, w, b
-
-
-DEDUP_MODES = ("auto", "always", "never")
-DEDUP_MIN_IDS = 256        # auto: fewer ids than this always take the fused native lookup
-DEDUP_MAX_UNIQUE = 0.5     # auto: deduplicate when at most this fraction of the ids is distinct
-
-
-def check_dedup(dedup: str) -> str:
-    if dedup not in DEDUP_MODES:
-        raise ValueError(f"dedup must be one of {DEDUP_MODES}, not {dedup!r}")
-    return dedup
-
-
-def _lookup_one(s: _Slot, ids: np.ndarray, bag_off: np.ndarray, w: Optional[np.ndarray],
-                dedup: str) -> torch.Tensor:
-    """Pool one feature. dedup: decode each distinct id once (CompressedTable.gather) and pool
-    the decoded rows with torch's embedding_bag, ids in their original order (the same
-    summation order as the native lookup); otherwise the native fused decode-and-pool."""
-    if dedup != "never" and ids.size >= (1 if dedup == "always" else DEDUP_MIN_IDS):
-        ids_t = torch.from_numpy(ids)
-        uniq, inv = torch.unique(ids_t, sorted=True, return_inverse=True)
-        if dedup == "always" or uniq.numel() <= DEDUP_MAX_UNIQUE * ids.size:
-            rows = s.table.gather(uniq)
-            if rows.dtype != torch.float32:
-                rows = rows.float()
-            off_t = torch.from_numpy(bag_off)
-            # MEAN as the native kernel does it: sum, then times 1/length (torch divides)
-            out = torch.nn.functional.embedding_bag(
-                inv, rows, off_t, mode="sum", include_last_offset=True,
-                per_sample_weights=None if w is None else torch.from_numpy(w))
-            if s.mode == "mean":
-                lengths = torch.from_numpy(np.diff(bag_off)).clamp_(min=1).to(torch.float32)
-                out *= (1.0 / lengths)[:, None]
-            return out
-    return s.table._lookup_checked(ids, bag_off, w, s.mode)  # lookup_jobs validated everything
-
-
-def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[_Slot], weighted: bool, who: str,
-                  key_index: Optional[Sequence[int]] = None, dedup: str = "never") -> torch.Tensor:
-    """[B, sum(slot dims)] float32: slot i pools key key_index[i] of kjt (default: key i).
-
-    Every check (keys, offsets, weights, id ranges) runs before any native call.
-    """
-    jobs, b = lookup_jobs(kjt, slots, weighted, who, key_index)
-    if jobs is None:
-        return torch.empty((kjt.stride(), sum(s.dim for s in slots)), dtype=torch.float32, device="meta")
-    return run_lookup_jobs(jobs, b, dedup)
-
-
-def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[_Slot], weighted: bool, who: str,
-                key_index: Optional[Sequence[int]] = None):
-    """Validated per-slot work: ([(slot, ids, bag offsets [B+1], weights or None)], B);
-    (None, B) for meta inputs."""
-    n_keys = len(kjt.keys())
-    if key_index is None:
-        key_index = range(len(slots))
-    values = kjt.values()
-    if values.device.type == "meta" or any(s.table is None for s in slots):
-        if values.device.type != "meta":
-            raise RuntimeError(f"{who} is on the meta device: load weights (load_state_dict or "
-                               f"load_compressed) before running it on real inputs")
-        return None, kjt.stride()
-    vals, off, w, b = _kjt_parts(kjt, n_keys, weighted, who)
-    jobs = []
-    for s, k in zip(slots, key_index):
-        lo, hi = int(off[k * b]), int(off[(k + 1) * b])
-        ids = vals[lo:hi]
-        if ids.size:
-            mn, mx = ids.min(), ids.max()
-            if mn < 0 or mx >= s.n_rows:
-                bad = int(mn if mn < 0 else mx)
-                raise IndexError(f"{who}: feature {s.feature!r} has id {bad}, out of range for table "
-                                 f"{s.table_name!r} of {s.n_rows} rows")
-        jobs.append((s, ids, off[k * b:(k + 1) * b + 1] - lo, None if w is None else w[lo:hi]))
-    return jobs, b
-
-
-def run_lookup_jobs(jobs, b: int, dedup: str) -> torch.Tensor:
-    outs = [_lookup_one(s, ids, bag_off, ws, dedup) for s, ids, bag_off, ws in jobs]
-    if not outs:
-        return torch.empty((b, 0), dtype=torch.float32)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def concat_features(items):
-    """One table's features [(ids, bag offsets [B+1] from 0, weights or None, output column)]
-    as (indices, offsets [F*B+1], weights or None, columns), feature after feature: the
-    layout FBGEMM's TBE takes for a table read by several features."""
-    if len(items) == 1:
-        ids, off, ws, col = items[0]
-        return ids, off, ws, [col]
-    indices = np.concatenate([it[0] for it in items])
-    starts = np.cumsum([0] + [int(it[1][-1]) for it in items[:-1]])
-    offsets = np.concatenate([items[0][1][:1]] + [it[1][1:] + st for it, st in zip(items, starts)])
-    weights = None if items[0][2] is None else np.concatenate([it[2] for it in items])
-    return indices, offsets, weights, [it[3] for it in items]
-
-
-def compress_weight(weight: torch.Tensor, dtype: torch.dtype, codec_options: Dict[str, Any]) -> CompressedTable:
-    w = weight.detach()
-    if w.device.type == "meta":
-        raise ValueError("cannot compress a meta tensor: it holds no values")
-    w = w.to("cpu", dtype).contiguous()
-    return compress(w, **codec_options)
-
 
 # ---------------------------------------------------------------------------
 # One table
@@ -402,34 +202,6 @@ class IBPEmbeddingBag(nn.Module):
                                f"{(self.num_embeddings, self.embedding_dim)}.")
         if value.device.type == "meta":
             raise RuntimeError(f"{key}: the checkpoint holds a meta tensor (no values)")
-
-
-# ---------------------------------------------------------------------------
-# Training: the sparse update, fused into backward
-# ---------------------------------------------------------------------------
-
-class _FusedSparseUpdate(torch.autograd.Function):
-    """Pooled lookups whose backward applies the sparse optimizer to the touched rows.
-
-    forward(anchor, module, jobs, B) -> [B, sum of dims]; `anchor` is an empty leaf that
-    requires grad (it only makes autograd call backward). backward turns the output
-    gradient into per-row gradients and updates the tables in place, as FBGEMM's fused
-    TBE does; no dense gradient of any table exists at any point.
-    """
-
-    @staticmethod
-    def forward(ctx, anchor, module, jobs, b):
-        ctx.module, ctx.jobs, ctx.b = module, jobs, b
-        return run_lookup_jobs(jobs, b, module.dedup)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if ctx.jobs is None:
-            raise RuntimeError("IBPEmbeddingBagCollection: backward ran twice through the same forward; the "
-                               "sparse update was already applied (retain_graph is not supported)")
-        ctx.module._apply_sparse_update(ctx.jobs, ctx.b, grad_out)
-        ctx.jobs = None
-        return None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -582,7 +354,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """table name -> {state name: tensor} (the live tensors, not copies)."""
         return {name: bag.optimizer_state for name, bag in self.embedding_bags.items()}
 
-    def _apply_sparse_update(self, jobs, b: int, grad_out: torch.Tensor) -> None:
+    def apply_sparse_update(self, jobs, b: int, grad_out: torch.Tensor) -> None:
         """Backward of a trainable forward: per table, the rows its features touched
         get their summed gradients and one optimizer step (in libibp)."""
         by_table: Dict[str, list] = {}
@@ -658,12 +430,12 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             bag.reset_state()
             del w
 
-    def _slots(self) -> List[_Slot]:
+    def _slots(self) -> List[Slot]:
         slots = []
         for config, feats in zip(self._embedding_bag_configs, self._feature_names):
             bag = self.embedding_bags[config.name]
             for f in feats:
-                slots.append(_Slot(bag.table, bag.mode, bag.embedding_dim, bag.num_embeddings, f, config.name))
+                slots.append(Slot(bag.table, bag.mode, bag.embedding_dim, bag.num_embeddings, f, config.name))
         return slots
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -691,8 +463,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         who = "IBPEmbeddingBagCollection"
         if self.trainable and torch.is_grad_enabled() and features.values().device.type != "meta":
             jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
-            anchor = torch.empty(0, requires_grad=True)
-            values = _FusedSparseUpdate.apply(anchor, self, jobs, b)
+            values = training_lookup(self, jobs, b, self.dedup)
         else:
             values = pooled_lookup(features, slots, self._is_weighted, who, key_index, self.dedup)
         return KeyedTensor(keys=self._embedding_names, values=values,

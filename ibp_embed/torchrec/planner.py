@@ -1,0 +1,186 @@
+"""Planner support for the IBP kernel: constraints, estimators and a stock planner.
+
+The stock perf estimator has no bandwidth for ``customized_kernel`` and the stock
+storage estimator counts raw bytes. :func:`ibp_estimators` returns the stock
+estimators configured for it (IBPPerfEstimatorConfig: a bandwidth for the kernel;
+IBPStorageEstimator: the shard's *compressed* size in host memory), and
+:func:`ibp_planner` builds a stock ``EmbeddingShardingPlanner`` whose enumerator uses
+them. DMP's own default planner (built when no ``plan=`` is given) uses the stock
+estimators and so cannot cost the kernel: pass the plan.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torchrec.distributed.embedding_types import ShardingType
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
+from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimator
+from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Storage
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from .distributed import IBP_COMPUTE_KERNEL, IBP_SHARDING_TYPES, is_ibp
+from .lookup import check_codec_options
+
+__all__ = [
+    "IBPPerfEstimatorConfig",
+    "IBPStorageEstimator",
+    "ibp_constraints",
+    "ibp_estimators",
+    "ibp_planner",
+]
+
+# Planner bandwidth of the IBP CPU kernel relative to DDR bandwidth (FBGEMM's fused CPU
+# kernel is 1.0): benchmarks/lookup.py measured 0.27-0.66x FBGEMM HOST TBE lookup
+# throughput (lookup-20261130T051943Z.json); the middle of that range.
+DEFAULT_CPU_BANDWIDTH_FACTOR = 0.4
+
+
+def ibp_constraints(tables: Iterable[Union[str, EmbeddingBagConfig]],
+                    sharding_types: Sequence[str] = (ShardingType.TABLE_WISE.value,
+                                                     ShardingType.COLUMN_WISE.value,
+                                                     ShardingType.ROW_WISE.value),
+                    **constraint_kwargs: Any) -> Dict[str, ParameterConstraints]:
+    """ParameterConstraints that put `tables` (names or configs) on IBP storage.
+
+    Each gets ``compute_kernels=["customized_kernel"]`` and the allowed sharding types
+    (table_wise, column_wise and row_wise by default; table_column_wise and
+    table_row_wise are also supported).
+    Other ParameterConstraints fields (pooling_factors, ...) pass through. Merge the
+    result with constraints for your other tables and give it to the planner.
+    """
+    bad = [s for s in sharding_types if s not in IBP_SHARDING_TYPES]
+    if bad:
+        raise ValueError(f"IBP tables support sharding types {list(IBP_SHARDING_TYPES)}, not {bad}")
+    out = {}
+    for t in tables:
+        name = t.name if isinstance(t, EmbeddingBagConfig) else str(t)
+        out[name] = ParameterConstraints(sharding_types=list(sharding_types),
+                                         compute_kernels=[IBP_COMPUTE_KERNEL], **constraint_kwargs)
+    return out
+
+
+class IBPPerfEstimatorConfig(EmbeddingPerfEstimatorConfig):
+    """TorchRec's default perf model plus a bandwidth for the IBP customized_kernel.
+
+    On CPU the kernel is costed like FBGEMM's fused kernel at cpu_bandwidth_factor x
+    the topology's DDR bandwidth. Every other kernel is costed as by TorchRec.
+    """
+
+    def __init__(self, cpu_bandwidth_factor: float = DEFAULT_CPU_BANDWIDTH_FACTOR) -> None:
+        super().__init__()
+        if not cpu_bandwidth_factor > 0:
+            raise ValueError("cpu_bandwidth_factor must be positive")
+        self.cpu_bandwidth_factor = float(cpu_bandwidth_factor)
+
+    def get_device_bw(self, compute_device, compute_kernel, hbm_mem_bw, ddr_mem_bw, ssd_mem_bw,
+                      hbm_to_ddr_mem_bw, caching_ratio=None, prefetch_pipeline=False):
+        if is_ibp(compute_kernel):
+            if compute_device.lower() == "cpu":
+                return self.cpu_bandwidth_factor * ddr_mem_bw
+            raise ValueError(f"IBP customized_kernel has no {compute_device} implementation to cost")
+        return super().get_device_bw(compute_device, compute_kernel, hbm_mem_bw, ddr_mem_bw, ssd_mem_bw,
+                                     hbm_to_ddr_mem_bw, caching_ratio, prefetch_pipeline)
+
+
+class IBPStorageEstimator(EmbeddingStorageEstimator):
+    """TorchRec's storage estimator, with IBP shards counted at their compressed size.
+
+    An IBP shard costs host memory (DDR) of raw_bytes / ratio and no optimizer state.
+    The ratio of a table is, in order: compression_ratios[name]; measured by
+    compressing a sample of up to sample_rows rows when the planned tensor holds values;
+    default_ratio (1.0 when nothing is known: conservative).
+    """
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 compression_ratios: Optional[Dict[str, float]] = None, default_ratio: float = 1.0,
+                 sample_rows: int = 8192, codec_options: Optional[Dict[str, Any]] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(topology=topology, constraints=constraints, **kwargs)
+        self._ratios = dict(compression_ratios or {})
+        self._default_ratio = float(default_ratio)
+        self._sample_rows = int(sample_rows)
+        self._codec_options = check_codec_options(codec_options or {})
+        self._measured: Dict[Tuple[str, str], float] = {}
+
+    def ratio(self, sharding_option: ShardingOption) -> float:
+        name = sharding_option.name
+        if name in self._ratios:
+            return float(self._ratios[name])
+        key = (sharding_option.path, name)
+        if key not in self._measured:
+            self._measured[key] = self._measure(sharding_option.tensor)
+        return self._measured[key]
+
+    def _measure(self, tensor: torch.Tensor) -> float:
+        if tensor.device.type == "meta" or tensor.numel() == 0 or \
+                tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return self._default_ratio
+        from ..codec import compress
+
+        n = tensor.shape[0]
+        if n > self._sample_rows:
+            rows = np.sort(np.random.default_rng(0).choice(n, self._sample_rows, replace=False))
+            sample = tensor.detach()[torch.from_numpy(rows)]
+        else:
+            sample = tensor.detach()
+        opts = {k: v for k, v in self._codec_options.items() if k != "progress"}
+        t = compress(sample.cpu().contiguous(), progress=False, **opts)
+        return max(t.ratio, 1e-6)
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
+        super().estimate(sharding_options, sharder_data_map)
+        for so in sharding_options:
+            if not is_ibp(so.compute_kernel):
+                continue
+            ratio = self.ratio(so)
+            shape = so.tensor.shape
+            tensor_bytes = so.tensor.numel() * so.tensor.element_size()
+            try:
+                from torchrec.distributed.planner.shard_estimators import _get_optimizer_multipler
+
+                opt_mult = 0.0 if self._is_inference else _get_optimizer_multipler(
+                    getattr(so.tensor, "_optimizer_classes", [None])[0], shape)
+            except ImportError:  # pragma: no cover - private helper moved
+                opt_mult = 0.0
+            for shard in so.shards:
+                if shard.storage is None:
+                    continue
+                raw = math.ceil(tensor_bytes * math.prod(shard.size) / math.prod(shape))
+                stock = raw + math.ceil(raw * opt_mult)
+                compressed = math.ceil(raw / ratio)
+                if self._topology.compute_device == "cpu":
+                    ddr = max(shard.storage.ddr - stock, 0) + compressed
+                    shard.storage = Storage(hbm=shard.storage.hbm, ddr=ddr, ssd=shard.storage.ssd)
+                else:  # host memory, whatever the compute device
+                    hbm = max(shard.storage.hbm - stock, 0)
+                    shard.storage = Storage(hbm=hbm, ddr=shard.storage.ddr + compressed, ssd=shard.storage.ssd)
+
+
+def ibp_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None, *,
+                   compression_ratios: Optional[Dict[str, float]] = None, default_ratio: float = 1.0,
+                   cpu_bandwidth_factor: float = DEFAULT_CPU_BANDWIDTH_FACTOR, is_inference: bool = False,
+                   codec_options: Optional[Dict[str, Any]] = None) -> list:
+    """[perf, storage] estimators for EmbeddingEnumerator that can cost customized_kernel."""
+    perf = EmbeddingPerfEstimator(topology=topology, constraints=constraints, is_inference=is_inference,
+                                  config=IBPPerfEstimatorConfig(cpu_bandwidth_factor))
+    storage = IBPStorageEstimator(topology=topology, constraints=constraints, is_inference=is_inference,
+                                  compression_ratios=compression_ratios, default_ratio=default_ratio,
+                                  codec_options=codec_options)
+    return [perf, storage]
+
+
+def ibp_planner(topology: Topology, batch_size: int = BATCH_SIZE,
+                constraints: Optional[Dict[str, ParameterConstraints]] = None, **estimator_kwargs: Any
+                ) -> EmbeddingShardingPlanner:
+    """A stock EmbeddingShardingPlanner whose enumerator can cost IBP tables (see ibp_estimators)."""
+    enumerator = EmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
+                                     estimator=ibp_estimators(topology, constraints, **estimator_kwargs))
+    return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints,
+                                    enumerator=enumerator)
