@@ -77,6 +77,7 @@ test: all
 bench: all
 	$(PY) -m benchmarks.lookup $(ARGS)
 	$(PY) -m benchmarks.codec $(ARGS)
+	$(PY) -m benchmarks.training $(ARGS)
 
 clean:
 	rm -rf $(BUILD) $(VENV) .pytest_cache .hypothesis

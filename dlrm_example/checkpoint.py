@@ -1,14 +1,14 @@
-"""Atomic training checkpoints with the embedding tables as .ibp files.
+"""Atomic training checkpoints, TorchRec's way: torch.distributed.checkpoint.
 
 Layout of a checkpoint directory DIR::
 
     DIR/LATEST                    name of the newest complete checkpoint (replaced atomically)
     DIR/step-00000200.<id>/meta.json  format, version, backend, model config, step, world size, ...
-    DIR/step-00000200.<id>/dense.pt   dense parameters + dense optimizer state (rank 0)
-    DIR/step-00000200.<id>/tables/    ibp backend: IBPEmbeddingBagCollection.save_compressed
-                                  (one .ibp per table, optimizer state .npy, manifest.json)
-                                  torchrec backend: per rank, each local table compressed to
-                                  .ibp + its fused-optimizer state (.npy) + tables-rank<r>.json
+    DIR/step-00000200.<id>/model/     torch.distributed.checkpoint of the model's state_dict
+                                  (tables as ShardedTensors, IBP ones decompressed) and of
+                                  the fused optimizer state; every rank writes its shards,
+                                  and any number of ranks can load it (resharding)
+    DIR/step-00000200.<id>/dense.pt   dense optimizer state, step, last loss (rank 0)
 
 A checkpoint is written into a fresh hidden directory, every file fsynced, then the
 directory is renamed into place and LATEST is replaced (write, fsync, rename). A run
@@ -24,13 +24,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import numpy as np
 import torch
 
 from ibp_embed.io import fsync_dir
 
 FORMAT = "dlrm_example.checkpoint"
-VERSION = 1
+VERSION = 2
 KEEP = 2
 
 
@@ -64,7 +63,7 @@ def begin(root: Path, step: int) -> Path:
     """A fresh temporary directory for the checkpoint of `step` (rank 0 creates it)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{step_name(step)}-{secrets.token_hex(4)}"
-    (tmp / "tables").mkdir(parents=True)
+    tmp.mkdir(parents=True)
     return tmp
 
 
@@ -126,7 +125,7 @@ def read_meta(path: Path) -> Dict[str, Any]:
 
 
 def check_compatible(meta: Dict[str, Any], path: Path, *, backend: str, model_config: Dict[str, Any],
-                     optimizer: str, world_size: int, eval_only: bool) -> None:
+                     optimizer: str, eval_only: bool) -> None:
     if meta.get("model_config") != model_config:
         saved = meta.get("model_config") or {}
         diff = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
@@ -139,14 +138,10 @@ def check_compatible(meta: Dict[str, Any], path: Path, *, backend: str, model_co
     if not eval_only and meta.get("optimizer") != optimizer:
         raise CheckpointError(f"{path}: checkpoint holds {meta.get('optimizer')} optimizer state, "
                               f"not {optimizer}; use --optimizer {meta.get('optimizer')}")
-    if backend == "torchrec" and meta.get("world_size") != world_size:
-        raise CheckpointError(f"{path}: torchrec checkpoint written by {meta.get('world_size')} rank(s); "
-                              f"resume it with as many (this run has {world_size})")
 
 
-def save_dense(path: Path, dense: Dict[str, torch.Tensor], dense_opt_state: Dict[str, Any],
-               extra: Dict[str, Any]) -> None:
-    torch.save({"dense": dense, "optimizer": dense_opt_state, **extra}, path / "dense.pt")
+def save_dense(path: Path, dense_opt_state: Dict[str, Any], extra: Dict[str, Any]) -> None:
+    torch.save({"optimizer": dense_opt_state, **extra}, path / "dense.pt")
 
 
 def load_dense(path: Path) -> Dict[str, Any]:
@@ -156,17 +151,3 @@ def load_dense(path: Path) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: dense.pt is missing") from None
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a corrupt file
         raise CheckpointError(f"{path}/dense.pt: unreadable: {e}") from None
-
-
-def save_npy(path: Path, array: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-
-
-def load_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable: {e}") from None

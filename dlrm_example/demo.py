@@ -9,32 +9,33 @@ batch 1024, 500 steps, seed 0, one process. Each backend trains in this process
 (python -m dlrm_example.train does the same with more options), then:
 
 * AUC / log loss on held-out generated batches (the backends match bit for bit);
-* table memory: raw fp32 tables (what TorchRec's EBC holds), IBP's footprint while
-  training (arena with free space + row index + masks), the packed size a checkpoint
-  holds, and the uncompressed optimizer state;
-* lookup throughput of the trained embedding collection (inference, no grad), on the
-  same batches: TorchRec's fused FBGEMM TBE (HOST) versus IBP's compressed tables,
-  with the IBP tables both as trained (UpdatableTable) and packed (CompressedTable).
+* table memory: raw fp32 tables (what TorchRec's EBC holds), the IBP tables while
+  training (encoded rows, headroom / dead / free space, index and masks), their packed
+  size, and the uncompressed optimizer state;
+* lookup throughput of the trained sharded embedding collection (inference, no grad),
+  on the same batches: TorchRec's fused FBGEMM TBE (HOST) versus IBP's tables.
+
+Both backends run under DistributedModelParallel with the same plan; ibp puts the large
+tables (98% of the rows) on the IBP kernel and keeps the small ones on FBGEMM.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
-from .train import Run, parser as train_parser
+from .model import table_memory
+from .train import Run, parser as train_parser, quiet_library_warnings
 
 DEFAULTS = dict(steps=500, scale=0.01, batch_size=1024, optimizer="adagrad", seed=0, model="dlrm")
 
 
-def _args(backend: str, a, checkpoint: str) -> argparse.Namespace:
+def _args(backend: str, a) -> argparse.Namespace:
     argv = ["--backend", backend, "--steps", str(a.steps), "--scale", str(a.scale), "--batch-size",
-            str(a.batch_size), "--optimizer", a.optimizer, "--seed", str(a.seed), "--model", a.model,
-            "--checkpoint", checkpoint, "--checkpoint-every", "0"]
+            str(a.batch_size), "--optimizer", a.optimizer, "--seed", str(a.seed), "--model", a.model]
     if a.threads:
         argv += ["--threads", str(a.threads)]
     if not a.progress:
@@ -43,18 +44,23 @@ def _args(backend: str, a, checkpoint: str) -> argparse.Namespace:
 
 
 def _throughput(ebc, batches, repeats: int):
-    """(samples/s, ids/s) of ebc(kjt) under no_grad, median over repeats."""
+    """(samples/s, ids/s) of the sharded ebc(kjt) under no_grad, median over repeats."""
     n_ids = sum(int(b.values.numel()) for b in batches)
     n_samples = sum(b.size for b in batches)
     kjts = [b.kjt() for b in batches]
+
+    def run(kjt):
+        out = ebc(kjt)
+        return out.wait() if hasattr(out, "wait") else out
+
     with torch.no_grad():
         for k in kjts[:2]:
-            ebc(k)  # warm-up
+            run(k)  # warm-up
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
             for k in kjts:
-                ebc(k)
+                run(k)
             times.append(time.perf_counter() - t)
     t = statistics.median(times)
     return n_samples / t, n_ids / t
@@ -79,36 +85,25 @@ def main(argv=None) -> int:
 
     results = {}
     t_all = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="dlrm_demo_") as tmp:
-        for backend in ("torchrec", "ibp"):
-            print(f"=== {backend}: training {a.steps} steps ===", flush=True)
-            run = Run(_args(backend, a, f"{tmp}/{backend}"))
-            try:
-                rc = run.run()
-                if rc:
-                    return rc
-                built, data = run.built, run.data
-                batches = [data.eval_batch(i, a.batch_size) for i in range(a.lookup_batches)]
-                r = dict(run.result)
-                r["lookup"] = _throughput(built.ebc, batches, repeats=3)
-                if backend == "ibp":
-                    r["memory"] = built.ebc.memory_stats()
-                    from ibp_embed.torchrec import IBPEmbeddingBagCollection
-
-                    packed = IBPEmbeddingBagCollection.load_compressed(f"{tmp}/ibp/{_latest(tmp, 'ibp')}/tables")
-                    r["lookup_packed"] = _throughput(packed, batches, repeats=3)
-                    r["packed_nbytes"] = packed.compressed_nbytes
-                else:
-                    from .model import local_state_shards, local_table_shards
-
-                    raw = sum(s.tensor.numel() * 4 for _, s in local_table_shards(built))
-                    st = sum(s.tensor.numel() * 4 for *_, s in local_state_shards(built))
-                    r["memory"] = {"raw_bytes": raw, "optimizer_state_bytes": st}
-                results[backend] = r
-            except KeyboardInterrupt:
-                return 130
-            finally:
-                run.close()
+    quiet_library_warnings()
+    for backend in ("torchrec", "ibp"):
+        print(f"=== {backend}: training {a.steps} steps ===", flush=True)
+        run = Run(_args(backend, a))
+        try:
+            rc = run.run()
+            if rc:
+                return rc
+            built, data = run.built, run.data
+            batches = [data.eval_batch(i, a.batch_size) for i in range(a.lookup_batches)]
+            r = dict(run.result)
+            r["lookup"] = _throughput(built.ebc, batches, repeats=3)
+            r["memory"] = table_memory(built)
+            r["ibp_tables"] = list(built.ibp_tables)
+            results[backend] = r
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            run.close()
 
     tr, ib = results["torchrec"], results["ibp"]
     m, mt = ib["memory"], tr["memory"]
@@ -124,29 +119,25 @@ def main(argv=None) -> int:
     print(f"{'training samples/s':34}"
           f"{tr['steps_done'] * a.batch_size / max(tr['train_seconds'], 1e-9):>24,.0f}"
           f"{ib['steps_done'] * a.batch_size / max(ib['train_seconds'], 1e-9):>22,.0f}")
-    print("table memory:")
-    print(f"  {'raw fp32 tables':32}{_mib(mt['raw_bytes']):>24}{_mib(m['raw_bytes']):>22}")
-    print(f"  {'tables while training':32}{_mib(mt['raw_bytes']):>24}{_mib(m['compressed_bytes']):>22}")
-    print(f"    {'encoded rows':30}{'':>24}{_mib(m['live_bytes']):>22}")
-    print(f"    {'arena free + dead space':30}{'':>24}{_mib(m['arena_bytes'] - m['live_bytes']):>22}")
-    print(f"    {'row index (16 B/row) + masks':30}{'':>24}"
-          f"{_mib(m['compressed_bytes'] - m['arena_bytes']):>22}")
-    print(f"  {'tables packed (checkpoint)':32}{'':>24}{_mib(ib['packed_nbytes']):>22}"
-          f"   ratio {m['raw_bytes'] / ib['packed_nbytes']:.3f}")
-    print(f"  {'optimizer state (uncompressed)':32}{_mib(mt['optimizer_state_bytes']):>24}"
-          f"{_mib(m['optimizer_state_bytes']):>22}")
-    print(f"lookup throughput (embedding collection forward, no grad, {a.lookup_batches} batches of "
+    print(f"table memory ({len(ib['ibp_tables'])} of 26 tables on the IBP kernel, row-wise; the others on FBGEMM):")
+    print(f"  {'raw fp32 tables':32}{_mib(mt['raw']):>24}{_mib(m['raw']):>22}")
+    print(f"  {'tables while training':32}{_mib(mt['raw']):>24}{_mib(m['ibp'] + m['fbgemm']):>22}")
+    print(f"    {'IBP tables (raw ' + _mib(m['ibp_raw']).strip() + ')':30}{'':>24}{_mib(m['ibp']):>22}")
+    print(f"      {'encoded rows':28}{'':>24}{_mib(m['ibp_live_bytes']):>22}")
+    slack = m["ibp_slack_bytes"] + m["ibp_dead_bytes"] + m["ibp_free_bytes"]
+    print(f"      {'headroom + dead + free space':28}{'':>24}{_mib(slack):>22}")
+    print(f"      {'index (2 B/row) + masks':28}{'':>24}{_mib(m['ibp'] - m['ibp_live_bytes'] - slack):>22}")
+    print(f"    {'FBGEMM tables':30}{'':>24}{_mib(m['fbgemm']):>22}")
+    print(f"  {'IBP tables packed':32}{'':>24}{_mib(m['ibp_packed']):>22}"
+          f"   ratio {m['ibp_raw'] / max(m['ibp_packed'], 1):.3f}; while training "
+          f"{100 * (m['ibp'] - m['ibp_packed']) / max(m['ibp_raw'], 1):.1f}% of raw above packed")
+    print(f"  {'optimizer state (uncompressed)':32}{_mib(mt['optimizer_state']):>24}"
+          f"{_mib(m['optimizer_state']):>22}")
+    print(f"lookup throughput (sharded embedding collection forward, no grad, {a.lookup_batches} batches of "
           f"{a.batch_size}):")
-    print(f"  {'samples/s':32}{tr['lookup'][0]:>24,.0f}{ib['lookup'][0]:>22,.0f}   (packed: "
-          f"{ib['lookup_packed'][0]:,.0f})")
-    print(f"  {'ids/s':32}{tr['lookup'][1]:>24,.0f}{ib['lookup'][1]:>22,.0f}   (packed: "
-          f"{ib['lookup_packed'][1]:,.0f})")
+    print(f"  {'samples/s':32}{tr['lookup'][0]:>24,.0f}{ib['lookup'][0]:>22,.0f}")
+    print(f"  {'ids/s':32}{tr['lookup'][1]:>24,.0f}{ib['lookup'][1]:>22,.0f}")
     return 0
-
-
-def _latest(tmp: str, backend: str) -> str:
-    with open(f"{tmp}/{backend}/LATEST") as f:
-        return f.read().strip()
 
 
 if __name__ == "__main__":

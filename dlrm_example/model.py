@@ -4,27 +4,23 @@
   seed=...)`` - TorchRec's default init, uniform(-sqrt(1/rows), +sqrt(1/rows)) - drawn
   from a generator seeded by (seed, f), independent of torch's global RNG.
 * Dense layers: ``torch.manual_seed(seed)`` right before DLRM / DLRM_DCN is built around
-  an embedding collection that consumes no global randomness, so both backends get
-  the same dense weights.
+  an embedding collection on the meta device (which consumes no randomness), so both
+  backends get the same dense weights.
 
-Backends:
-
-* ``torchrec``: a plain EmbeddingBagCollection (built on the meta device) under
-  DistributedModelParallel, every table planned table-wise on the ``fused`` kernel
-  (FBGEMM's TBE, HOST placement on the CPU) with the sparse optimizer fused into
-  backward through ``apply_optimizer_in_backward`` (torch.optim.SGD -> EXACT_SGD,
-  torchrec.optim.RowWiseAdagrad -> EXACT_ROWWISE_ADAGRAD). The dense part is
-  data-parallel (DMP wraps it in DDP). Needs a process group (gloo; the trainer
-  makes a one-process group when not launched by torchrun).
-* ``ibp``: IBPEmbeddingBagCollection(optimizer=ibp_embed.optim.SGD/RowWiseAdagrad):
-  compressed tables updated in backward. With several processes every rank holds all
-  tables and backward all-gathers the ranks' ids and output gradients (replicas stay
-  identical; the update is the one a table-wise sharded table gets), the dense part
-  is wrapped in DDP.
+Both backends are the same TorchRec model under DistributedModelParallel, with the same
+sharding plan (:func:`sharding_plan`): the large tables row-wise over all ranks, the
+others table-wise (largest first, each on the least loaded rank). The sparse optimizer
+is the sharder's ``fused_params`` (EXACT_SGD or EXACT_ROWWISE_ADAGRAD), fused into
+backward; the dense part is data-parallel (DMP wraps it in DDP). The backends differ in
+one thing: ``ibp`` plans the chosen tables (``--ibp-tables``, by default the large ones)
+on the IBP kernel (``customized_kernel``, compressed tables) and the rest on TorchRec's
+``fused`` kernel (FBGEMM TBE, HOST placement on the CPU); ``torchrec`` plans every table
+on ``fused``. A process group is needed even on one process (the trainer makes one).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -35,7 +31,6 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import PoolingType
 
 from ibp_embed.datasets import make_table
-from ibp_embed.optim import SGD, RowWiseAdagrad, SparseOptimizer
 
 from .data import FEATURE_NAMES, NUM_DENSE, _seed
 
@@ -92,10 +87,6 @@ def build_dlrm(cfg: ModelConfig, ebc: nn.Module, seed: int) -> nn.Module:
                     dcn_num_layers=cfg.dcn_layers, dcn_low_rank_dim=cfg.dcn_low_rank)
 
 
-def sparse_optimizer(name: str, lr: float) -> SparseOptimizer:
-    return SGD(lr) if name == "sgd" else RowWiseAdagrad(lr, eps=EPS)
-
-
 def dense_optimizer(name: str, lr: float, params) -> torch.optim.Optimizer:
     params = list(params)
     if name == "sgd":
@@ -138,83 +129,114 @@ def load_dense_state(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
 # ---------------------------------------------------------------------------
 
 class Built:
-    """A model ready to train: `module` is what to call (possibly a DMP / DDP wrapper),
-    `model` the plain DLRM inside, `ebc` its embedding collection (IBP module or
-    TorchRec's sharded EBC)."""
+    """A model ready to train: `module` is the DMP to call, `model` the plain DLRM inside,
+    `ebc` its sharded embedding collection, `ibp_tables` the tables on the IBP kernel."""
 
-    def __init__(self, module, model, backend, pg=None):
-        self.module, self.model, self.backend, self.pg = module, model, backend, pg
+    def __init__(self, module, model, backend, ibp_tables):
+        self.module, self.model, self.backend, self.ibp_tables = module, model, backend, ibp_tables
 
     @property
     def ebc(self):
         return self.model.sparse_arch.embedding_bag_collection
 
 
-def build_ibp(cfg: ModelConfig, seed: int, optimizer: Optional[SparseOptimizer], *, world: int = 1,
-              load_tables: bool = True, codec_options: Optional[dict] = None):
-    """The IBP model. optimizer None: an inference module (immutable tables)."""
-    from ibp_embed.torchrec import IBPEmbeddingBagCollection
-    import torch.distributed as dist
-
-    pg = None
-    if world > 1 and optimizer is not None:
-        raise NotImplementedError("the ibp backend trains on several ranks through DMP (next commit)")
-    ebc = IBPEmbeddingBagCollection(table_configs(cfg), device="meta", optimizer=optimizer,
-                                    **(codec_options or {}))
-    if load_tables:
-        for i, c in enumerate(table_configs(cfg)):
-            ebc.embedding_bags[c.name].load_weight(initial_table(cfg, seed, i))
-            ebc.embedding_bags[c.name].reset_state()
-    model = build_dlrm(cfg, ebc, seed)
-    module = model
-    if world > 1 and optimizer is not None:
-        module = nn.parallel.DistributedDataParallel(model)
-    return Built(module, model, "ibp", pg)
+def large_tables(cfg: ModelConfig, share: float = 0.01) -> List[str]:
+    """Tables holding at least `share` of all rows (the ones worth compressing)."""
+    total = sum(cfg.cardinalities)
+    return [c.name for c, n in zip(table_configs(cfg), cfg.cardinalities) if n >= share * total]
 
 
-def build_torchrec(cfg: ModelConfig, seed: int, optimizer_name: str, lr: float, *, world: int = 1,
-                   load_tables: bool = True):
-    """TorchRec's EBC on the fused FBGEMM kernel under DistributedModelParallel (CPU, gloo)."""
-    import torch.distributed as dist
-    import torchrec.optim as trec_optim
+def resolve_ibp_tables(cfg: ModelConfig, spec: str) -> List[str]:
+    """--ibp-tables: "large" (default), "all", or comma-separated table names."""
+    names = [c.name for c in table_configs(cfg)]
+    if spec == "large":
+        return large_tables(cfg)
+    if spec == "all":
+        return names
+    chosen = [t.strip() for t in spec.split(",") if t.strip()]
+    unknown = [t for t in chosen if t not in names]
+    if unknown or not chosen:
+        raise ValueError(f"--ibp-tables: unknown table(s) {unknown or spec!r}; the tables are "
+                         f"{names[0]} .. {names[-1]}, or use 'large' / 'all'")
+    return chosen
+
+
+def sharding_plan(cfg: ModelConfig, world: int, sharder, kernels: Dict[str, str]):
+    """The plan of both backends: large tables row-wise, the rest table-wise (largest
+    first, each on the rank with the fewest rows so far); kernels[table] per table."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    large = set(large_tables(cfg))
+    load = [0] * world
+    per_param = {}
+    for c, n in sorted(zip(table_configs(cfg), cfg.cardinalities), key=lambda x: -x[1]):
+        if c.name in large:
+            per_param[c.name] = row_wise(compute_kernel=kernels[c.name])
+        else:
+            rank = load.index(min(load))
+            load[rank] += n
+            per_param[c.name] = table_wise(rank=rank, compute_kernel=kernels[c.name])
+    ebc = EmbeddingBagCollection(table_configs(cfg), device=torch.device("meta"))
+    plan = construct_module_sharding_plan(ebc, per_param, sharder=sharder, local_size=world, world_size=world,
+                                          device_type="cpu")
+    return ShardingPlan({"sparse_arch.embedding_bag_collection": plan})
+
+
+def fused_params(optimizer_name: str, lr: float) -> dict:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    if optimizer_name == "sgd":
+        return {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr}
+    return {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": EPS}
+
+
+def build(cfg: ModelConfig, seed: int, backend: str, optimizer_name: str, lr: float, *, world: int = 1,
+          ibp_tables: Optional[List[str]] = None, load_tables: bool = True) -> Built:
+    """DLRM / DLRM_DCN under DistributedModelParallel (CPU, gloo) on either backend."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    configs = table_configs(cfg)
-    ebc = EmbeddingBagCollection(configs, device=torch.device("meta"))
-    model = build_dlrm(cfg, ebc, seed)
-    if optimizer_name == "sgd":
-        apply_optimizer_in_backward(torch.optim.SGD, model.sparse_arch.parameters(), {"lr": lr})
-    else:
-        apply_optimizer_in_backward(trec_optim.RowWiseAdagrad, model.sparse_arch.parameters(),
-                                    {"lr": lr, "eps": EPS})
-    topology = Topology(world_size=world, compute_device="cpu", local_world_size=world)
-    constraints = {c.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
-                   for c in configs}
-    sharders = [EmbeddingBagCollectionSharder()]
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-    built = Built(dmp, model, "torchrec")
+    from ibp_embed.torchrec import IBP_COMPUTE_KERNEL, IBPEmbeddingBagCollectionSharder
+
+    chosen = (large_tables(cfg) if ibp_tables is None else list(ibp_tables)) if backend == "ibp" else []
+    params = fused_params(optimizer_name, lr)
+    sharder = IBPEmbeddingBagCollectionSharder(fused_params=params) if backend == "ibp" \
+        else EmbeddingBagCollectionSharder(fused_params=params)
+    kernels = {c.name: IBP_COMPUTE_KERNEL if c.name in chosen else "fused" for c in table_configs(cfg)}
+    model = build_dlrm(cfg, EmbeddingBagCollection(table_configs(cfg), device=torch.device("meta")), seed)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=sharding_plan(cfg, world, sharder, kernels),
+                                   sharders=[sharder])
+    built = Built(dmp, model, backend, chosen)
     if load_tables:
-        with torch.no_grad():
-            for name, shard in local_table_shards(built):
-                i = [c.name for c in configs].index(name)
-                (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                shard.tensor.copy_(initial_table(cfg, seed, i)[r0:r0 + nr, c0:c0 + nc])
-            for name, key, shard in local_state_shards(built):
-                shard.tensor.zero_()
+        prefix = "sparse_arch.embedding_bag_collection.embedding_bags."
+        for i, c in enumerate(table_configs(cfg)):  # one table at a time: bounded memory
+            dmp.load_state_dict({f"{prefix}{c.name}.weight": initial_table(cfg, seed, i)}, strict=False)
     return built
 
 
+def table_memory(built: Built) -> Dict[str, int]:
+    """This rank's table memory in bytes: raw (uncompressed shards), ibp (IBP shards as
+    held now), ibp_packed, fbgemm (TorchRec fused tables' shards), optimizer_state."""
+    import torch.distributed as dist
+
+    ebc = built.ebc
+    ibp = ebc.ibp_memory_stats() if hasattr(ebc, "ibp_memory_stats") else None
+    rank = dist.get_rank()
+    fbgemm = sum(math.prod(md.shard_sizes) * 4 for name, ps in ebc.module_sharding_plan.items()
+                 if name not in built.ibp_tables for md in ps.sharding_spec.shards if md.placement.rank() == rank)
+    state = sum(s.tensor.numel() * s.tensor.element_size() for *_, s in local_state_shards(built))
+    return {"raw": fbgemm + (ibp["raw_bytes"] if ibp else 0), "fbgemm": fbgemm,
+            "ibp": ibp["compressed_bytes"] if ibp else 0, "ibp_raw": ibp["raw_bytes"] if ibp else 0,
+            "ibp_packed": ibp["packed_bytes"] if ibp else 0, "optimizer_state": state,
+            **({f"ibp_{k}": v for k, v in ibp.items() if k.endswith("_bytes")} if ibp else {})}
+
+
 def local_table_shards(built: Built):
-    """(table name, Shard) for every table shard this rank holds (torchrec backend);
-    the shard tensors are views of FBGEMM's weights."""
+    """(table name, Shard) for every table shard this rank holds; the shards of fused
+    tables are views of FBGEMM's weights, those of IBP tables decompressed copies."""
     prefix = "sparse_arch.embedding_bag_collection.embedding_bags."
-    for k, v in built.model.state_dict().items():
+    for k, v in built.module.state_dict().items():
         if k.startswith(prefix) and k.endswith(".weight"):
             name = k[len(prefix):-len(".weight")]
             for shard in v.local_shards():

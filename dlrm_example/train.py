@@ -3,8 +3,8 @@
     python -m dlrm_example.train --backend ibp|torchrec [--steps N] [--seed S]
         [--data generated | --data criteo-tsv FILE... | --data criteo-npy DIR]
         [--scale F] [--zipf A] [--multi-hot] [--model dlrm|dcn] [--batch-size B]
-        [--lr LR] [--optimizer sgd|adagrad] [--checkpoint DIR [--resume] [--checkpoint-every N]]
-        [--eval-only] ...
+        [--lr LR] [--optimizer sgd|adagrad] [--ibp-tables large|all|NAMES]
+        [--checkpoint DIR [--resume] [--checkpoint-every N]] [--eval-only] ...
     torchrun --nproc_per_node 2 -m dlrm_example.train ...       # gloo, CPU
 
 The same --seed gives the same data and the same initial weights for both backends;
@@ -17,21 +17,26 @@ Exit status: 0 done; 2 bad input (data files, checkpoint, options); 3 the loss b
 NaN or infinite; 130 interrupted (a checkpoint is written first when --checkpoint is
 given; rerun with --resume to continue from it).
 
-Multi-process (torchrun, gloo on CPU): --batch-size is the global batch, each rank
-trains on its slice. torchrec: DistributedModelParallel, every table table-wise on
-FBGEMM's fused kernel, dense part data-parallel. ibp: every rank holds all compressed
-tables; backward all-gathers ids and output gradients so every replica applies the
-same update (the one a table-wise sharded table gets); dense part in DDP.
+Both backends run the model under TorchRec's DistributedModelParallel with the same
+plan (dlrm_example.model): the large tables row-wise over the ranks, the others
+table-wise; --backend ibp puts the --ibp-tables (by default the large ones) on the IBP
+kernel, compressed, and --backend torchrec keeps every table on FBGEMM's fused kernel.
+The sparse optimizer is fused into backward (the sharder's fused_params), the dense
+part is data-parallel. Multi-process (torchrun, gloo on CPU): --batch-size is the
+global batch, each rank trains on its slice and holds its shards only; the trainer
+prints each rank's table memory.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import signal
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -40,14 +45,27 @@ import torch
 from . import checkpoint as ckpt
 from .data import DataError, DataSource, make_source, rank_slice
 from .model import (
-    BACKENDS, MODELS, OPTIMIZERS, Built, ModelConfig, build_ibp, build_torchrec, dense_named_parameters,
-    dense_optimizer, dense_state, load_dense_state, local_state_shards, local_table_shards, sparse_optimizer,
+    BACKENDS, MODELS, OPTIMIZERS, Built, ModelConfig, build, dense_named_parameters, dense_optimizer,
+    resolve_ibp_tables, table_memory,
 )
 
 EXIT_BAD_INPUT = 2
 EXIT_NAN = 3
 EXIT_INTERRUPTED = 130
 DEFAULT_LR = {"sgd": 0.1, "adagrad": 0.05}
+
+
+def quiet_library_warnings() -> None:
+    """Silence deprecation notices that torch and TorchRec internals raise on every run
+    and that a user of this trainer cannot act on."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torchrec|torch)(\.|$)")
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
+def model_state(built: Built) -> dict:
+    """What a checkpoint holds of the model: its state_dict (tables as ShardedTensors) and
+    the fused optimizer state, TorchRec's layout for both backends."""
+    return {"model": built.module.state_dict(), "optim": built.module.fused_optimizer.state_dict()}
 
 
 class UserError(Exception):
@@ -92,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
                                                           "(default 0.1 for sgd, 0.05 for adagrad)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adagrad",
                    help="sgd: EXACT_SGD + torch SGD; adagrad: EXACT_ROWWISE_ADAGRAD + torch Adagrad")
+    p.add_argument("--ibp-tables", default="large", metavar="SPEC",
+                   help="--backend ibp: the tables on the IBP kernel: large (those with at least 1%% of all "
+                        "rows), all, or comma-separated names (t_cat_0,...); the others stay on FBGEMM")
     p.add_argument("--eval-batches", type=int, default=8, help="eval batches of --batch-size")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory")
     p.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
@@ -105,6 +126,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bad-fraction", type=float, default=0.01,
                    help="criteo-tsv: stop when more than this fraction of the lines read is malformed")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch and libibp)")
+    p.add_argument("--report", metavar="FILE", help="write the run's results and every rank's table memory "
+                                                    "as JSON (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -142,7 +165,7 @@ class Run:
             dist.init_process_group("gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             self._own_pg = True
-        elif self.a.backend == "torchrec" and not dist.is_initialized():
+        elif not dist.is_initialized():
             # DistributedModelParallel needs a process group even on one process
             self._tmpdir = tempfile.TemporaryDirectory(prefix="dlrm_example_pg_")
             dist.init_process_group("gloo", init_method=f"file://{self._tmpdir.name}/store", rank=0, world_size=1)
@@ -178,47 +201,36 @@ class Run:
             dist.barrier()
 
     # ---- model ----
-    def build(self, cfg: ModelConfig, train: bool, load_tables: bool) -> Built:
+    def build(self, cfg: ModelConfig, load_tables: bool) -> Built:
         a = self.a
-        if a.backend == "ibp":
-            opt = sparse_optimizer(a.optimizer, self.lr) if train else None
-            return build_ibp(cfg, a.seed, opt, world=self.world, load_tables=load_tables)
-        return build_torchrec(cfg, a.seed, a.optimizer, self.lr, world=self.world, load_tables=load_tables)
+        try:
+            tables = resolve_ibp_tables(cfg, a.ibp_tables)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        return build(cfg, a.seed, a.backend, a.optimizer, self.lr, world=self.world, ibp_tables=tables,
+                     load_tables=load_tables)
 
     # ---- checkpoints ----
     def meta(self, cfg: ModelConfig) -> dict:
         a = self.a
         return {"backend": a.backend, "model_config": cfg.to_dict(), "optimizer": a.optimizer, "lr": self.lr,
-                "world_size": self.world, "seed": a.seed, "batch_size": a.batch_size, "data": a.data}
+                "world_size": self.world, "seed": a.seed, "batch_size": a.batch_size, "data": a.data,
+                "ibp_tables": a.ibp_tables}
 
     def save(self, built: Built, dense_opt, cfg: ModelConfig, step: int, last_loss: float) -> Path:
+        """Tables, fused optimizer state and dense weights through torch.distributed.checkpoint
+        (every rank writes its shards), dense optimizer state in dense.pt (rank 0)."""
         import torch.distributed as dist
-        from ibp_embed import compress
+        import torch.distributed.checkpoint as dcp
 
         root = Path(self.a.checkpoint)
         tmp = [ckpt.begin(root, step) if self.rank == 0 else None]
         if self.world > 1:
             dist.broadcast_object_list(tmp, src=0)
         tmp = Path(tmp[0])
-        if built.backend == "ibp":
-            if self.rank == 0:
-                built.ebc.save_compressed(tmp / "tables")
-        else:
-            index = {}
-            for name, shard in local_table_shards(built):
-                if tuple(shard.metadata.shard_offsets) != (0, 0):
-                    raise NotImplementedError("checkpoints of non table-wise torchrec shards")
-                fname = f"{name}.ibp"
-                compress(shard.tensor.detach()).save(tmp / "tables" / fname)
-                index[name] = {"file": fname, "state": {}}
-            for name, key, shard in local_state_shards(built):
-                sname = f"{name}.{key}.npy"
-                ckpt.save_npy(tmp / "tables" / sname, shard.tensor.detach().reshape(-1).numpy())
-                index[name]["state"][key] = sname
-            ckpt.write_json(tmp / "tables" / f"tables-rank{self.rank}.json", index)
+        dcp.save(model_state(built), checkpoint_id=tmp / "model")
         if self.rank == 0:
-            ckpt.save_dense(tmp, dense_state(built.model), dense_opt.state_dict() if dense_opt else {},
-                            {"step": step, "last_loss": last_loss})
+            ckpt.save_dense(tmp, dense_opt.state_dict() if dense_opt else {}, {"step": step, "last_loss": last_loss})
         self.barrier()
         final = None
         if self.rank == 0:
@@ -227,61 +239,23 @@ class Run:
         return final if final is not None else root / ckpt.step_name(step)
 
     def restore(self, built: Built, dense_opt, path: Path, train: bool):
-        """Load tables (+ optimizer state), dense weights (+ dense optimizer state)."""
-        import ibp_embed
+        """Load tables, fused optimizer state and dense weights (resharded to this run's
+        ranks), and the dense optimizer state."""
+        import torch.distributed.checkpoint as dcp
 
-        if built.backend == "ibp":
-            from ibp_embed.torchrec import IBPEmbeddingBagCollection
-
-            opt = sparse_optimizer(self.a.optimizer, self.lr) if train else None
-            try:
-                ebc = IBPEmbeddingBagCollection.load_compressed(
-                    path / "tables", optimizer=opt, mmap=not train)
-            except (OSError, ValueError) as e:
-                raise ckpt.CheckpointError(f"{path}/tables: {e}") from None
-            old = built.ebc
-            if [c.name for c in ebc.embedding_bag_configs()] != [c.name for c in old.embedding_bag_configs()] or \
-                    [c.num_embeddings for c in ebc.embedding_bag_configs()] != \
-                    [c.num_embeddings for c in old.embedding_bag_configs()]:
-                raise ckpt.CheckpointError(f"{path}: its tables do not match this model")
-            built.model.sparse_arch.embedding_bag_collection = ebc
-        else:
-            index_path = path / "tables" / f"tables-rank{self.rank}.json"
-            try:
-                import json
-
-                index = json.loads(index_path.read_text())
-            except (OSError, ValueError) as e:
-                raise ckpt.CheckpointError(f"{index_path}: unreadable: {e}") from None
-            with torch.no_grad():
-                for name, shard in local_table_shards(built):
-                    if name not in index:
-                        raise ckpt.CheckpointError(f"{index_path}: no table {name!r}")
-                    try:
-                        w = ibp_embed.load(path / "tables" / index[name]["file"]).decompress()
-                    except (OSError, ValueError) as e:
-                        raise ckpt.CheckpointError(f"{path}/tables/{index[name]['file']}: {e}") from None
-                    if w.shape != shard.tensor.shape:
-                        raise ckpt.CheckpointError(f"{path}: table {name} has shape {tuple(w.shape)}, the model "
-                                                   f"{tuple(shard.tensor.shape)}")
-                    shard.tensor.copy_(w)
-                if train:
-                    for name, key, shard in local_state_shards(built):
-                        f = index.get(name, {}).get("state", {}).get(key)
-                        if f is None:
-                            raise ckpt.CheckpointError(f"{index_path}: no {key} for table {name!r}")
-                        v = torch.from_numpy(ckpt.load_npy(path / "tables" / f))
-                        if v.numel() != shard.tensor.numel():
-                            raise ckpt.CheckpointError(f"{path}: {key} of {name} has {v.numel()} values, "
-                                                       f"expected {shard.tensor.numel()}")
-                        shard.tensor.copy_(v.reshape(shard.tensor.shape))
-        blob = ckpt.load_dense(path)
+        state = model_state(built)
         try:
-            load_dense_state(built.model, blob["dense"])
-            if train and dense_opt is not None:
+            dcp.load(state, checkpoint_id=path / "model")
+            built.module.load_state_dict(state["model"])
+            built.module.fused_optimizer.load_state_dict(state["optim"])
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise ckpt.CheckpointError(f"{path}/model: does not fit this model: {e}") from None
+        blob = ckpt.load_dense(path)
+        if train and dense_opt is not None:
+            try:
                 dense_opt.load_state_dict(blob["optimizer"])
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise ckpt.CheckpointError(f"{path}/dense.pt does not fit this model: {e}") from None
+            except (KeyError, ValueError, RuntimeError) as e:
+                raise ckpt.CheckpointError(f"{path}/dense.pt does not fit this model: {e}") from None
         return blob
 
     # ---- evaluation ----
@@ -312,19 +286,30 @@ class Run:
         return auc, logloss
 
     # ---- memory ----
-    def memory_line(self, built: Built) -> str:
-        if built.backend == "ibp":
-            s = built.ebc.memory_stats()
-            return (f"table memory: raw {s['raw_bytes'] / 2**20:.2f} MiB, compressed "
-                    f"{s['compressed_bytes'] / 2**20:.2f} MiB now (packed {s['packed_bytes'] / 2**20:.2f} MiB, "
-                    f"ratio {s['raw_bytes'] / max(s['packed_bytes'], 1):.3f}), optimizer state "
-                    f"{s['optimizer_state_bytes'] / 2**20:.2f} MiB")
-        raw = sum(sh.tensor.numel() * sh.tensor.element_size() for _, sh in local_table_shards(built))
-        try:
-            st = sum(sh.tensor.numel() * sh.tensor.element_size() for *_, sh in local_state_shards(built))
-        except Exception:  # noqa: BLE001 - eval-only torchrec models may lack a fused optimizer
-            st = 0
-        return f"table memory (rank {self.rank}): raw {raw / 2**20:.2f} MiB, optimizer state {st / 2**20:.2f} MiB"
+    def rank_memory(self, built: Built) -> list:
+        """table_memory of every rank (gathered)."""
+        m = table_memory(built)
+        if self.world == 1:
+            return [m]
+        import torch.distributed as dist
+
+        every = [None] * self.world
+        dist.all_gather_object(every, m)
+        return every
+
+    @staticmethod
+    def memory_lines(backend: str, every: list) -> list:
+        """One line per rank: the table shards it holds."""
+        mib = 2 ** 20
+        lines = []
+        for r, m in enumerate(every):
+            line = f"table memory, rank {r}: {m['raw'] / mib:.2f} MiB raw"
+            if backend == "ibp":
+                line += (f", held {(m['ibp'] + m['fbgemm']) / mib:.2f} MiB (IBP {m['ibp'] / mib:.2f} MiB for "
+                         f"{m['ibp_raw'] / mib:.2f} MiB raw, packed {m['ibp_packed'] / mib:.2f}; FBGEMM "
+                         f"{m['fbgemm'] / mib:.2f})")
+            lines.append(line + f", optimizer state {m['optimizer_state'] / mib:.2f} MiB")
+        return lines
 
     # ---- the run ----
     def run(self) -> int:
@@ -373,14 +358,14 @@ class Run:
             else:
                 meta = ckpt.read_meta(path)
                 ckpt.check_compatible(meta, path, backend=a.backend, model_config=cfg.to_dict(),
-                                      optimizer=a.optimizer, world_size=self.world, eval_only=a.eval_only)
+                                      optimizer=a.optimizer, eval_only=a.eval_only)
                 changed = [k for k, v in (("seed", a.seed), ("batch_size", a.batch_size), ("data", a.data),
                                           ("lr", self.lr), ("world_size", self.world)) if meta.get(k) != v]
                 if changed and not a.eval_only:
                     self.log(f"note: {', '.join(changed)} differ from the checkpoint's; the run continues, "
                              f"but not as the original run would have")
         train = not a.eval_only
-        built = self.build(cfg, train=train, load_tables=path is None)
+        built = self.build(cfg, load_tables=path is None)
         dense_opt = dense_optimizer(a.optimizer, self.lr, [p for _, p in dense_named_parameters(built.model)]) \
             if train else None
         start = 0
@@ -408,7 +393,16 @@ class Run:
         self.built, self.data = built, data
         self.result = {"train_loss": last_loss if train else None, "eval_auc": auc, "eval_logloss": logloss,
                        "steps": start + steps_done, "train_seconds": elapsed, "steps_done": steps_done}
-        self.log(self.memory_line(built))
+        memory = self.rank_memory(built)
+        for line in self.memory_lines(built.backend, memory):
+            self.log(line)
+        if a.report and self.rank == 0:
+            import json
+
+            report = dict(self.result, backend=a.backend, world_size=self.world, batch_size=a.batch_size,
+                          samples_per_s=steps_done * a.batch_size / max(elapsed, 1e-9) if steps_done else None,
+                          ibp_tables=list(built.ibp_tables), memory_per_rank=memory)
+            Path(a.report).write_text(json.dumps(report, indent=1))
         if data.report():
             self.log(f"data: {data.report()}")
         loss_text = f"{last_loss:.8f}" if train else "n/a"
@@ -481,6 +475,7 @@ class Run:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    quiet_library_warnings()
     run = Run(a)
     try:
         code = run.run()

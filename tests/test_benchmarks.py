@@ -105,3 +105,16 @@ def test_harness_tiny(tmp_path, dtype):
     path = common.write_json({"results": [res], "targets": targets}, "lookup-test", results_dir=tmp_path)
     assert json.loads(path.read_text())["results"][0]["workloads"][0]["workload"] == "B16 P3 Zipf 1.05"
     assert L.plot([res], tmp_path / "x.png").stat().st_size > 0
+
+
+def test_training_benchmark_harness_tiny():
+    from benchmarks import training
+
+    tiny = ["--scale", "0.0005", "--batch-size", "64", "--eval-batches", "1", "--embedding-dim", "8",
+            "--dense-arch", "16,8", "--over-arch", "8,1"]
+    rows, runs = training.measure([1], steps=3, repeats=1, extra=tiny)
+    assert [r["backend"] for r in runs] == ["torchrec", "ibp"]
+    assert len(rows) == 1 and rows[0][0] == 1 and rows[0][4] == "yes"  # identical losses and AUC
+    ibp = runs[1]
+    assert ibp["samples_per_s"] > 0 and len(ibp["memory_per_rank"]) == 1
+    assert ibp["ibp_tables"] and ibp["memory_per_rank"][0]["ibp"] > 0

@@ -152,6 +152,14 @@ def test_backends_give_equal_losses(capsys, model, optimizer):
     assert "steps=8" in lines["ibp"] and "train_loss=0." in lines["ibp"]
 
 
+def _flatten(v, prefix=""):
+    if isinstance(v, dict):
+        for k, x in v.items():
+            yield from _flatten(x, f"{prefix}{k}/")
+    else:
+        yield prefix, v
+
+
 def test_learns_above_chance(capsys):
     rc = train.main(["--backend", "ibp", "--steps", "60", "--scale", "0.001", "--batch-size", "512",
                                "--threads", "1", "--no-progress", "--eval-batches", "4"])
@@ -172,17 +180,21 @@ def test_checkpoint_resume_is_exact(tmp_path, capsys, backend):
     assert rc == 0
     assert "resumed from" in resumed
     assert final_line(resumed) == final_line(straight)
-    # the tables of both checkpoints are identical files' contents
+    # both checkpoints hold the same tables and optimizer state (torch.distributed.checkpoint)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     a, b = ckpt.latest(tmp_path / "a"), ckpt.latest(tmp_path / "b")
     assert a.name.split(".")[0] == b.name.split(".")[0] == "step-00000006"
-    if backend == "ibp":
-        from ibp_embed.torchrec import IBPEmbeddingBagCollection
-
-        ta = IBPEmbeddingBagCollection.load_compressed(a / "tables", optimizer="saved")
-        tb = IBPEmbeddingBagCollection.load_compressed(b / "tables", optimizer="saved")
-        for name, bag in ta.embedding_bags.items():
-            assert torch.equal(bag.weight(), tb.embedding_bags[name].weight())
-            assert torch.equal(bag.optimizer_state["momentum1"], tb.embedding_bags[name].optimizer_state["momentum1"])
+    loaded = []
+    for c in (a, b):
+        dcp_to_torch_save(c / "model", tmp_path / f"{c.parent.name}.pt")
+        loaded.append(torch.load(tmp_path / f"{c.parent.name}.pt"))
+    flat = [{f"{k}/{kk}": vv for k, v in d.items() for kk, vv in _flatten(v)} for d in loaded]
+    assert sorted(flat[0]) == sorted(flat[1])
+    assert any("momentum1" in k for k in flat[0]) and any("t_cat_0.weight" in k for k in flat[0])
+    for k in flat[0]:
+        if isinstance(flat[0][k], torch.Tensor):
+            assert torch.equal(flat[0][k], flat[1][k]), k
     # eval-only reproduces the trained model's evaluation (inference path)
     rc, ev, _ = run_main(["--backend", backend, "--steps", "6", "--checkpoint", str(tmp_path / "a"),
                           "--eval-only"], capsys)
@@ -266,8 +278,8 @@ def test_cli_runs_as_a_module(tmp_path):
 
 
 def test_two_ranks_with_torchrun_match_across_backends(tmp_path):
-    """torchrun, 2 processes, gloo: torchrec = DMP table-wise on FBGEMM's fused kernel,
-    ibp = replicated compressed tables + all-gathered sparse gradients; same losses."""
+    """torchrun, 2 processes, gloo: both backends under DMP with the same plan (large
+    tables row-wise, on the IBP kernel for ibp); same losses; each rank holds its shards."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun not installed next to the interpreter")
@@ -282,5 +294,11 @@ def test_two_ranks_with_torchrun_match_across_backends(tmp_path):
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert p.returncode == 0, p.stderr[-3000:]
         assert "on 2 rank(s)" in p.stdout
+        memory = [line for line in p.stdout.splitlines() if line.startswith("table memory, rank")]
+        assert [line.split(":")[0] for line in memory] == ["table memory, rank 0", "table memory, rank 1"]
+        if backend == "ibp":
+            raw = [float(line.split(": ")[1].split(" MiB")[0]) for line in memory]
+            total = sum(n * 8 * 4 for n in cards()) / 2 ** 20
+            assert all(r < 0.75 * total for r in raw), (raw, total)  # shards, not replicas
         finals[backend] = final_line(p.stdout)
     assert finals["ibp"].replace("backend=ibp", "") == finals["torchrec"].replace("backend=torchrec", "")

@@ -170,39 +170,45 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _init(rank, world, port):
+def _in_group(rank, world, port, body, *args):
+    """Run body(rank, world, *args) in a gloo group. The models body builds are freed
+    before the group is destroyed: a DDP reducer outliving its group can abort the
+    process at exit."""
+    import gc
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def _equivalence_worker(rank, world, port, fused_params):
-    from ibp_embed.torchrec import IBPBatchedEmbeddingBag
-
-    _init(rank, world, port)
     try:
-        fused, ibp = build(world, "fused", fused_params), build(world, "customized_kernel", fused_params)
-        kernels = [k for m in (ibp.module.ebc, ibp.module.wbc) for lk in m._lookups for k in lk._emb_modules]
-        assert kernels and all(isinstance(k, IBPBatchedEmbeddingBag) for k in kernels)
-        for dmp in (fused, ibp):
-            dmp.load_state_dict(initial_state(), strict=False)
-        opts = [torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1) for dmp in (fused, ibp)]
-        for step in range(STEPS):
-            a = train_step(fused, opts[0], step, rank)
-            b = train_step(ibp, opts[1], step, rank)
-            assert sorted(a) == sorted(b)
-            for k in a:
-                assert torch.equal(a[k], b[k]), f"step {step}: pooled {k} differs"
-        assert_same_sharded(fused.state_dict(), ibp.state_dict(), "tables")
-        assert_same_sharded(optimizer_state(fused), optimizer_state(ibp), "optimizer state")
-        shard = ibp.state_dict()["ebc.embedding_bags.t_rw.weight"].local_shards()[0]
-        (r0, _), (nr, _) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        assert not torch.equal(shard.tensor, initial_state()["ebc.embedding_bags.t_rw.weight"][r0:r0 + nr]), \
-            "the tables did not train"
+        body(rank, world, *args)
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _equivalence(rank, world, fused_params):
+    from ibp_embed.torchrec import IBPBatchedEmbeddingBag
+
+    fused, ibp = build(world, "fused", fused_params), build(world, "customized_kernel", fused_params)
+    kernels = [k for m in (ibp.module.ebc, ibp.module.wbc) for lk in m._lookups for k in lk._emb_modules]
+    assert kernels and all(isinstance(k, IBPBatchedEmbeddingBag) for k in kernels)
+    for dmp in (fused, ibp):
+        dmp.load_state_dict(initial_state(), strict=False)
+    opts = [torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1) for dmp in (fused, ibp)]
+    for step in range(STEPS):
+        a = train_step(fused, opts[0], step, rank)
+        b = train_step(ibp, opts[1], step, rank)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"step {step}: pooled {k} differs"
+    assert_same_sharded(fused.state_dict(), ibp.state_dict(), "tables")
+    assert_same_sharded(optimizer_state(fused), optimizer_state(ibp), "optimizer state")
+    shard = ibp.state_dict()["ebc.embedding_bags.t_rw.weight"].local_shards()[0]
+    (r0, _), (nr, _) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+    assert not torch.equal(shard.tensor, initial_state()["ebc.embedding_bags.t_rw.weight"][r0:r0 + nr]), \
+        "the tables did not train"
 
 
 ROWWISE = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-8}
@@ -211,7 +217,7 @@ ADAGRAD = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.05, "eps"
 
 @pytest.mark.parametrize("world,fused_params", [(2, ROWWISE), (3, ADAGRAD)])
 def test_ibp_kernel_trains_bit_for_bit_as_fused_kernel(world, fused_params):
-    mp.spawn(_equivalence_worker, args=(world, _free_port(), fused_params), nprocs=world, join=True)
+    mp.spawn(_in_group, args=(world, _free_port(), _equivalence, fused_params), nprocs=world, join=True)
 
 
 def _gathered(dmp, rank):
@@ -230,54 +236,45 @@ def _gathered(dmp, rank):
     return out
 
 
-def _save_worker(rank, world, port, path):
+def _save(rank, world, path):
     import torch.distributed.checkpoint as dcp
 
-    _init(rank, world, port)
-    try:
-        dmp = build(world, "customized_kernel", ROWWISE)
-        dmp.load_state_dict(initial_state(), strict=False)
-        opt = torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1)
-        for step in range(3):
-            train_step(dmp, opt, step, rank)
-        dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=path)
+    dmp = build(world, "customized_kernel", ROWWISE)
+    dmp.load_state_dict(initial_state(), strict=False)
+    opt = torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1)
+    for step in range(3):
+        train_step(dmp, opt, step, rank)
+    dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=path)
+    full = _gathered(dmp, rank)
+    if rank == 0:
+        torch.save(full, f"{path}/expected.pt")
+
+
+def _load(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    outs = []
+    for kernel in ("customized_kernel", "fused"):
+        dmp = build(world, kernel, ROWWISE)
+        state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        dmp.load_state_dict(state["model"])
+        dmp.fused_optimizer.load_state_dict(state["optim"])
         full = _gathered(dmp, rank)
         if rank == 0:
-            torch.save(full, f"{path}/expected.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _load_worker(rank, world, port, path):
-    import torch.distributed.checkpoint as dcp
-
-    _init(rank, world, port)
-    try:
-        outs = []
-        for kernel in ("customized_kernel", "fused"):
-            dmp = build(world, kernel, ROWWISE)
-            state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
-            dcp.load(state, checkpoint_id=path)
-            dmp.load_state_dict(state["model"])
-            dmp.fused_optimizer.load_state_dict(state["optim"])
-            full = _gathered(dmp, rank)
-            if rank == 0:
-                expected = torch.load(f"{path}/expected.pt")
-                assert sorted(full) == sorted(expected)
-                for k in expected:
-                    assert torch.equal(full[k], expected[k]), f"{kernel}: {k} differs after loading"
-            opt = torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1)
-            outs.append([train_step(dmp, opt, step, rank) for step in (3, 4)])
-        for a, b in zip(*outs):  # resumed training: the IBP and fused kernels agree
-            for k in a:
-                assert torch.equal(a[k], b[k]), k
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+            expected = torch.load(f"{path}/expected.pt")
+            assert sorted(full) == sorted(expected)
+            for k in expected:
+                assert torch.equal(full[k], expected[k]), f"{kernel}: {k} differs after loading"
+        opt = torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1)
+        outs.append([train_step(dmp, opt, step, rank) for step in (3, 4)])
+    for a, b in zip(*outs):  # resumed training: the IBP and fused kernels agree
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
 
 
 def test_checkpoint_saved_on_two_ranks_loads_on_one_and_three(tmp_path):
     path = str(tmp_path / "ckpt")
-    mp.spawn(_save_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    mp.spawn(_in_group, args=(2, _free_port(), _save, path), nprocs=2, join=True)
     for world in (1, 3):
-        mp.spawn(_load_worker, args=(world, _free_port(), path), nprocs=world, join=True)
+        mp.spawn(_in_group, args=(world, _free_port(), _load, path), nprocs=world, join=True)

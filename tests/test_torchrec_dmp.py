@@ -174,120 +174,127 @@ def _free_port():
 
 
 def _worker(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        _two_rank_checks(rank)
+        import gc
+
+        gc.collect()  # free the DMPs (their DDP reducers) before their process group
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_rank_checks(rank):
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
     from ibp_embed.torchrec import IBPShardedEmbeddingBagCollection
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)  # same unsharded weights on every rank
-        ref = Model()
-        model = Model()
-        model.load_state_dict(ref.state_dict())
-        sharders = [IBPEmbeddingBagCollectionSharder()]
-        planner = ibp_planner(topology(), batch_size=B, constraints=constraints())
-        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-        dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                       device=torch.device("cpu"), plan=plan, sharders=sharders)
-        sebc = dmp.module.ebc
-        assert isinstance(sebc, IBPShardedEmbeddingBagCollection)
-        # IBP shards were compressed from the unsharded module's weights at sharding time
-        full = ref.state_dict()
-        n_checked = 0
-        for m, prefix in ((dmp.module.ebc, "ebc"), (dmp.module.wbc, "wbc")):
-            for name, shards in m._ibp_shards.items():
-                for kernel, i, md, _ in shards:
-                    (r0, c0), (nr, nc) = md.shard_offsets, md.shard_sizes
-                    w = full[f"{prefix}.embedding_bags.{name}.weight"]
-                    assert torch.equal(kernel.shard_weight(i), w[r0:r0 + nr, c0:c0 + nc])
-                    n_checked += 1
-        counts = [0] * WORLD
-        dist.all_gather_object(counts, n_checked)
-        assert sum(counts) == 5, counts  # ibp_tw, ibp_tw2, w_ibp + two column shards of ibp_cw
-        # FBGEMM tables on CPU start from their own init: copy the reference weights in.
-        # (IBP tables already hold the module's weights; the load re-compresses them.)
-        dmp.load_state_dict(ref.state_dict())
+    torch.manual_seed(0)  # same unsharded weights on every rank
+    ref = Model()
+    model = Model()
+    model.load_state_dict(ref.state_dict())
+    sharders = [IBPEmbeddingBagCollectionSharder()]
+    planner = ibp_planner(topology(), batch_size=B, constraints=constraints())
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=sharders)
+    sebc = dmp.module.ebc
+    assert isinstance(sebc, IBPShardedEmbeddingBagCollection)
+    # IBP shards were compressed from the unsharded module's weights at sharding time
+    full = ref.state_dict()
+    n_checked = 0
+    for m, prefix in ((dmp.module.ebc, "ebc"), (dmp.module.wbc, "wbc")):
+        for name, shards in m._ibp_shards.items():
+            for kernel, i, md, _ in shards:
+                (r0, c0), (nr, nc) = md.shard_offsets, md.shard_sizes
+                w = full[f"{prefix}.embedding_bags.{name}.weight"]
+                assert torch.equal(kernel.shard_weight(i), w[r0:r0 + nr, c0:c0 + nc])
+                n_checked += 1
+    counts = [0] * WORLD
+    dist.all_gather_object(counts, n_checked)
+    assert sum(counts) == 5, counts  # ibp_tw, ibp_tw2, w_ibp + two column shards of ibp_cw
+    # FBGEMM tables on CPU start from their own init: copy the reference weights in.
+    # (IBP tables already hold the module's weights; the load re-compresses them.)
+    dmp.load_state_dict(ref.state_dict())
 
-        rng = np.random.default_rng(100 + rank)
-        kjt, wkjt = batch(tables(), rng), batch(wtables(), rng, weighted=True)
+    rng = np.random.default_rng(100 + rank)
+    kjt, wkjt = batch(tables(), rng), batch(wtables(), rng, weighted=True)
 
-        def check(dmp_, scale=None):
-            out, wout = dmp_(kjt, wkjt)
-            exp, wexp = ref(kjt, wkjt)
-            for o, e in ((out, exp), (wout, wexp)):
-                o = o.wait() if hasattr(o, "wait") else o
-                # A sharded EBC groups its output keys by sharding type (TorchRec's own
-                # behaviour, IBP or not): compare key by key.
-                assert sorted(o.keys()) == sorted(e.keys()), (o.keys(), e.keys())
-                od, ed = o.to_dict(), e.to_dict()
-                for k in e.keys():
-                    ev = ed[k].detach()
-                    if scale is not None:
-                        ev = ev * scale(k)
-                    torch.testing.assert_close(od[k].detach(), ev, rtol=1e-6, atol=1e-7, msg=k)
+    def check(dmp_, scale=None):
+        out, wout = dmp_(kjt, wkjt)
+        exp, wexp = ref(kjt, wkjt)
+        for o, e in ((out, exp), (wout, wexp)):
+            o = o.wait() if hasattr(o, "wait") else o
+            # A sharded EBC groups its output keys by sharding type (TorchRec's own
+            # behaviour, IBP or not): compare key by key.
+            assert sorted(o.keys()) == sorted(e.keys()), (o.keys(), e.keys())
+            od, ed = o.to_dict(), e.to_dict()
+            for k in e.keys():
+                ev = ed[k].detach()
+                if scale is not None:
+                    ev = ev * scale(k)
+                torch.testing.assert_close(od[k].detach(), ev, rtol=1e-6, atol=1e-7, msg=k)
 
-        with torch.no_grad():
-            check(dmp)
+    with torch.no_grad():
+        check(dmp)
 
-        # state_dict: TorchRec keys; IBP tables as ShardedTensors of decompressed local shards
-        sd = dmp.state_dict()
-        for name in ("ibp_tw", "ibp_cw", "ibp_tw2"):
-            key = f"ebc.embedding_bags.{name}.weight"
-            st = sd[key]
-            assert isinstance(st, ShardedTensor) and tuple(st.size()) == tuple(full[key].shape)
-            for shard in st.local_shards():
-                (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                assert torch.equal(shard.tensor, full[key][r0:r0 + nr, c0:c0 + nc])
-        assert isinstance(sd["wbc.embedding_bags.w_ibp.weight"], ShardedTensor)
-        assert isinstance(sd["ebc.embedding_bags.fused_tw.weight"], ShardedTensor)
-        n_local = sum(len(sd[f"ebc.embedding_bags.{n}.weight"].local_shards()) for n in ("ibp_tw", "ibp_cw",
-                                                                                        "ibp_tw2"))
-        counts = [0] * WORLD
-        dist.all_gather_object(counts, n_local)
-        assert sum(counts) == 4  # ibp_tw, ibp_tw2 + two column shards of ibp_cw, spread over the ranks
-        # the IBP tables run in the IBP kernel, the others in FBGEMM's fused TBE
-        from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+    # state_dict: TorchRec keys; IBP tables as ShardedTensors of decompressed local shards
+    sd = dmp.state_dict()
+    for name in ("ibp_tw", "ibp_cw", "ibp_tw2"):
+        key = f"ebc.embedding_bags.{name}.weight"
+        st = sd[key]
+        assert isinstance(st, ShardedTensor) and tuple(st.size()) == tuple(full[key].shape)
+        for shard in st.local_shards():
+            (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            assert torch.equal(shard.tensor, full[key][r0:r0 + nr, c0:c0 + nc])
+    assert isinstance(sd["wbc.embedding_bags.w_ibp.weight"], ShardedTensor)
+    assert isinstance(sd["ebc.embedding_bags.fused_tw.weight"], ShardedTensor)
+    n_local = sum(len(sd[f"ebc.embedding_bags.{n}.weight"].local_shards()) for n in ("ibp_tw", "ibp_cw",
+                                                                                    "ibp_tw2"))
+    counts = [0] * WORLD
+    dist.all_gather_object(counts, n_local)
+    assert sum(counts) == 4  # ibp_tw, ibp_tw2 + two column shards of ibp_cw, spread over the ranks
+    # the IBP tables run in the IBP kernel, the others in FBGEMM's fused TBE
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
 
-        from ibp_embed.torchrec import IBPBatchedEmbeddingBag
+    from ibp_embed.torchrec import IBPBatchedEmbeddingBag
 
-        local = {"ibp": set(), "fused": set()}
-        for m in (dmp.module.ebc, dmp.module.wbc):
-            for lookup in m._lookups:
-                for k in lookup._emb_modules:
-                    kind = "ibp" if isinstance(k, IBPBatchedEmbeddingBag) else \
-                        "fused" if isinstance(k, BatchedFusedEmbeddingBag) else type(k).__name__
-                    local.setdefault(kind, set()).update(t.name for t in k.config.embedding_tables)
-        everything = [None] * WORLD
-        dist.all_gather_object(everything, local)
-        ibp_all = set().union(*(e["ibp"] for e in everything))
-        fused_all = set().union(*(e["fused"] for e in everything))
-        assert ibp_all == {"ibp_tw", "ibp_cw", "ibp_tw2", "w_ibp"}, everything
-        assert fused_all == {"fused_tw", "fused_cw", "w_fused"}, everything
-        assert set().union(*(set(e) for e in everything)) == {"ibp", "fused"}, everything
-        nbytes = [0] * WORLD
-        dist.all_gather_object(nbytes, sebc.ibp_compressed_nbytes + dmp.module.wbc.ibp_compressed_nbytes)
-        assert sum(nbytes) > 0
+    local = {"ibp": set(), "fused": set()}
+    for m in (dmp.module.ebc, dmp.module.wbc):
+        for lookup in m._lookups:
+            for k in lookup._emb_modules:
+                kind = "ibp" if isinstance(k, IBPBatchedEmbeddingBag) else \
+                    "fused" if isinstance(k, BatchedFusedEmbeddingBag) else type(k).__name__
+                local.setdefault(kind, set()).update(t.name for t in k.config.embedding_tables)
+    everything = [None] * WORLD
+    dist.all_gather_object(everything, local)
+    ibp_all = set().union(*(e["ibp"] for e in everything))
+    fused_all = set().union(*(e["fused"] for e in everything))
+    assert ibp_all == {"ibp_tw", "ibp_cw", "ibp_tw2", "w_ibp"}, everything
+    assert fused_all == {"fused_tw", "fused_cw", "w_fused"}, everything
+    assert set().union(*(set(e) for e in everything)) == {"ibp", "fused"}, everything
+    nbytes = [0] * WORLD
+    dist.all_gather_object(nbytes, sebc.ibp_compressed_nbytes + dmp.module.wbc.ibp_compressed_nbytes)
+    assert sum(nbytes) > 0
 
-        # load a modified full checkpoint: IBP tables re-compress their local shards
-        doubled = {k: v * 2 for k, v in full.items()}
-        dmp.load_state_dict(doubled)
-        with torch.no_grad():
-            check(dmp, scale=lambda k: 2.0)
-        # load the IBP tables' ShardedTensors of the first state_dict back (fresh copies; TorchRec's
-        # own entries alias the live FBGEMM weights, so only the IBP part is a snapshot)
-        ibp_keys = [k for k in sd if any(f".{n}.weight" in k for n in ("ibp_tw", "ibp_cw", "ibp_tw2", "w_ibp"))]
-        res = dmp.load_state_dict({k: sd[k] for k in ibp_keys}, strict=False)
-        assert not res.unexpected_keys
-        ibp_features = {"f0@ibp_tw", "f1", "f2", "f3", "g0", "g1"}
-        with torch.no_grad():
-            check(dmp, scale=lambda k: 1.0 if k in ibp_features else 2.0)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # load a modified full checkpoint: IBP tables re-compress their local shards
+    doubled = {k: v * 2 for k, v in full.items()}
+    dmp.load_state_dict(doubled)
+    with torch.no_grad():
+        check(dmp, scale=lambda k: 2.0)
+    # load the IBP tables' ShardedTensors of the first state_dict back (fresh copies; TorchRec's
+    # own entries alias the live FBGEMM weights, so only the IBP part is a snapshot)
+    ibp_keys = [k for k in sd if any(f".{n}.weight" in k for n in ("ibp_tw", "ibp_cw", "ibp_tw2", "w_ibp"))]
+    res = dmp.load_state_dict({k: sd[k] for k in ibp_keys}, strict=False)
+    assert not res.unexpected_keys
+    ibp_features = {"f0@ibp_tw", "f1", "f2", "f3", "g0", "g1"}
+    with torch.no_grad():
+        check(dmp, scale=lambda k: 1.0 if k in ibp_features else 2.0)
 
 
 def test_dmp_two_ranks_matches_unsharded():
@@ -308,3 +315,97 @@ def test_unsupported_sharding_of_ibp_tables():
     params = {"ibp_tw": ParameterSharding(sharding_type=TW, compute_kernel=IBP_COMPUTE_KERNEL, ranks=[0])}
     with pytest.raises(NotImplementedError, match="CUDA"):
         IBPEmbeddingBagCollectionSharder().shard(model.ebc, params, env=None, device=torch.device("cuda"))
+
+
+# ---- training configuration ----
+
+def test_fused_params_pick_the_sparse_optimizer():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    from ibp_embed.optim import SGD, Adagrad, RowWiseAdagrad
+    from ibp_embed.torchrec import optimizer_from_fused_params as parse
+
+    assert parse(None) == SGD(0.01)  # FBGEMM's TBE defaults
+    assert parse({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.2, "eps": 1e-6}) == Adagrad(0.2, 1e-6)
+    rw = parse({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "weight_decay": 0.01,
+                "weight_decay_mode": WeightDecayMode.DECOUPLE, "cache_load_factor": 0.2,
+                "prefetch_pipeline": False, "gradient_clipping": False})
+    assert rw == RowWiseAdagrad(0.1, weight_decay=0.01, weight_decay_mode="decouple")
+    assert parse({"optimizer": "exact_sgd", "learning_rate": 0.3}) == SGD(0.3)
+    for bad, msg in (({"optimizer": EmbOptimType.ADAM}, "not supported"),
+                     ({"optimizer": EmbOptimType.EXACT_SGD, "weight_decay": 0.1, "weight_decay_mode": 1},
+                      "weight decay needs"),
+                     ({"weight_decay_mode": WeightDecayMode.COUNTER}, "NONE, L2 or DECOUPLE"),
+                     ({"gradient_clipping": True}, "gradient_clipping"),
+                     ({"learning_rate_schedule": 1}, "unsupported fused_params")):
+        with pytest.raises(ValueError, match=msg):
+            parse(bad)
+
+
+def _optimizer_in_backward_worker(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        _optimizer_in_backward_checks()
+        import gc
+
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimizer_in_backward_checks():
+    import torchrec.optim as trec_optim
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from ibp_embed.optim import RowWiseAdagrad
+    from ibp_embed.torchrec import IBPBatchedEmbeddingBag
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64,
+                                                     feature_names=["f"])])
+    apply_optimizer_in_backward(trec_optim.RowWiseAdagrad, ebc.parameters(), {"lr": 0.5, "eps": 1e-6})
+    sharder = IBPEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(ebc, {"t": row_wise(compute_kernel=IBP_COMPUTE_KERNEL)},
+                                          sharder=sharder, local_size=1, world_size=1, device_type="cpu")
+    dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+                                   device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder])
+    kernels = [k for lk in dmp.module._lookups for k in lk._emb_modules]
+    assert isinstance(kernels[0], IBPBatchedEmbeddingBag)
+    assert kernels[0].optimizer == RowWiseAdagrad(0.5, eps=1e-6)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([3, 7, 3]),
+                                              lengths=torch.tensor([2, 1]))
+
+    def weight():
+        return dmp.state_dict()["embedding_bags.t.weight"].local_shards()[0].tensor
+
+    before = weight()
+    dmp(kjt).wait().values().sum().backward()
+    after = weight()
+    assert not torch.equal(after[3], before[3]) and torch.equal(after[5], before[5])
+    state = dmp.fused_optimizer.state_dict()["state"]["embedding_bags.t.weight"]["t.momentum1"]
+    assert state.local_shards()[0].tensor[3] > 0
+    # a learning-rate change through the KeyedOptimizer applies from its next step()
+    dmp.fused_optimizer.param_groups[0]["lr"] = 0.0
+    dmp.fused_optimizer.step()
+    dmp(kjt).wait().values().sum().backward()
+    assert torch.equal(weight(), after)
+
+
+def test_apply_optimizer_in_backward_configures_the_ibp_kernel():
+    mp.spawn(_optimizer_in_backward_worker, args=(_free_port(),), nprocs=1, join=True)
+
+
+def test_planner_costs_row_wise_ibp_tables_on_cpu():
+    torch.manual_seed(0)
+    model = Model()
+    cons = constraints()
+    cons.update(ibp_constraints(["ibp_tw"], sharding_types=[RW]))
+    plan = ibp_planner(topology(), batch_size=B, constraints=cons).plan(model, [IBPEmbeddingBagCollectionSharder()])
+    ps = plan.plan["ebc"]["ibp_tw"]
+    assert (ps.sharding_type, ps.compute_kernel) == (RW, IBP_COMPUTE_KERNEL)
+    assert len(ps.sharding_spec.shards) == WORLD

@@ -116,11 +116,8 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         return UpdatableTable(table, repack_drift=DEFAULT_REPACK_DRIFT, codec_options=self._codec_options)
 
     def _make_trainable(self) -> None:
-        for i, (t, dtype) in enumerate(zip(self._config.embedding_tables, self._dtypes)):
-            if dtype != torch.float32:
-                raise ValueError(f"IBP kernel: table {t.name!r} holds {dtype}; IBP tables train in FP32 only "
-                                 f"(run FP16/BF16 tables under torch.no_grad())")
-            if not isinstance(self._table(i), UpdatableTable):
+        for i, dtype in enumerate(self._dtypes):
+            if dtype == torch.float32 and not isinstance(self._table(i), UpdatableTable):
                 self._tables[i] = self._updatable(self._tables[i])
 
     def _slots(self) -> List[Slot]:
@@ -154,6 +151,10 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             by_table.setdefault(i, []).append((ids, bag_off, ws, col))
             col += s.dim
         for i, items in by_table.items():
+            if self._dtypes[i] != torch.float32:
+                raise ValueError(f"IBP kernel: table {self._config.embedding_tables[i].name!r} holds "
+                                 f"{self._dtypes[i]}; IBP tables train in FP32 only (FBGEMM rounds FP16 "
+                                 f"updates stochastically: there is nothing exact to match)")
             indices, offsets, weights, cols = concat_features(items)
             self._tables[i].apply_gradients(self.optimizer, self._states[i], indices, offsets, b, grad_out,
                                             cols, weights, self._mode)

@@ -6,8 +6,8 @@ KeyedTensor out, same keys, order and layout) but holds every table as an immuta
 library and decode only the rows a batch touches; no table is ever decompressed
 whole in ``forward``. By default it is an inference module: tables carry no gradient.
 
-Training (opt-in, ``optimizer=ibp_embed.optim.SGD(lr)`` or ``RowWiseAdagrad(lr, eps)``):
-every table becomes an :class:`ibp_embed.store.UpdatableTable`, forward returns pooled
+Training (opt-in, ``optimizer=ibp_embed.optim.SGD(lr)``, ``Adagrad(lr, eps)`` or
+``RowWiseAdagrad(lr, eps, ...)``): every table becomes an :class:`ibp_embed.store.UpdatableTable`, forward returns pooled
 outputs that require grad, and backward applies the sparse optimizer to the touched
 rows inside a torch.autograd.Function (fused into backward as in FBGEMM's TBE: no dense
 table gradient is ever built). Optimizer state is uncompressed fp32, in state_dict and
@@ -230,13 +230,13 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             development machine it did not pay off (benchmarks/lookup.py); try it on
             very skewed traffic.
         optimizer: None (default: inference, immutable CompressedTables) or an
-            :class:`ibp_embed.optim.SparseOptimizer` (``SGD(lr)``,
-            ``RowWiseAdagrad(lr, eps)``): training mode. Every table is then an
+            :class:`ibp_embed.optim.SparseOptimizer` (``SGD(lr)``, ``Adagrad(lr, eps)``,
+            ``RowWiseAdagrad(lr, eps, weight_decay, weight_decay_mode)``): training mode. Every table is then an
             :class:`ibp_embed.store.UpdatableTable` (FP32 only), forward returns pooled
             outputs that require grad whenever grad mode is on, and backward applies the
             optimizer to the rows the batch touched, fused into backward like FBGEMM's
-            TBE (EXACT_SGD / EXACT_ROWWISE_ADAGRAD arithmetic, see ibp_embed.optim).
-            The optimizer state (e.g. ``momentum1``, one fp32 per row) is uncompressed,
+            TBE (EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD arithmetic, see
+            ibp_embed.optim). The optimizer state (``momentum1``) is uncompressed,
             appears in state_dict as ``embedding_bags.<table>.<name>``, is written by
             save_compressed and is counted by :meth:`memory_stats`.
         repack_drift: trainable tables rebuild their masks once their stored rows grew
@@ -386,8 +386,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @property
     def compressed_nbytes(self) -> int:
-        """Host bytes of the compressed tables (for UpdatableTables: the whole arena
-        allocation with its free space, plus the row index and masks)."""
+        """Host bytes of the compressed tables (for UpdatableTables: the whole store,
+        headroom, dead and free space included, plus the index and masks)."""
         return sum(b.table.nbytes for b in self.embedding_bags.values() if b.table is not None)
 
     @property
@@ -543,7 +543,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                         **codec_options: Any) -> "IBPEmbeddingBagCollection":
         """Open a directory written by save_compressed. mmap=True maps the .ibp files
-        (inference only: a trainable module copies its tables into arenas).
+        (inference only: a trainable module copies its tables into updatable stores).
 
         optimizer: None gives an inference module. optimizer="saved" (or an optimizer
         of the same kind as the one the checkpoint names) gives a trainable module whose
