@@ -26,7 +26,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ibp_embed.io import fsync_dir
+from ibp_embed.errors import FormatError
+from ibp_embed.io import fsync_dir, open_regular
 
 FORMAT = "dlrm_example.checkpoint"
 VERSION = 2
@@ -53,6 +54,11 @@ def write_json(path: Path, obj) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def _read_regular(path: Path) -> bytes:
+    with open_regular(path) as f:
+        return f.read()
 
 
 def step_name(step: int) -> str:
@@ -98,10 +104,10 @@ def commit(root: Path, tmp: Path, step: int, meta: Dict[str, Any]) -> Path:
 def latest(root: Path) -> Optional[Path]:
     """The newest complete checkpoint under root, or None when there is none."""
     try:
-        name = (root / "LATEST").read_text().strip()
+        name = _read_regular(root / "LATEST").decode().strip()
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except (OSError, UnicodeDecodeError, FormatError) as e:
         raise CheckpointError(f"{root}/LATEST: unreadable: {e}") from None
     path = root / name
     if not name.startswith("step-") or not (path / "meta.json").is_file():
@@ -111,10 +117,10 @@ def latest(root: Path) -> Optional[Path]:
 
 def read_meta(path: Path) -> Dict[str, Any]:
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads(_read_regular(path / "meta.json"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no meta.json (not a checkpoint of this trainer)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, FormatError) as e:
         raise CheckpointError(f"{path}/meta.json: unreadable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} checkpoint")
@@ -146,7 +152,8 @@ def save_dense(path: Path, dense_opt_state: Dict[str, Any], extra: Dict[str, Any
 
 def load_dense(path: Path) -> Dict[str, Any]:
     try:
-        return torch.load(path / "dense.pt", map_location="cpu", weights_only=True)
+        with open_regular(path / "dense.pt") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: dense.pt is missing") from None
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a corrupt file

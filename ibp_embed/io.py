@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -93,11 +94,38 @@ def save(table: CompressedTable, path) -> None:
                     bar.update(min(_WRITE_CHUNK, raw.size - lo))
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc tells (os.umask can only
+    be read by setting it, which races with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def new_file_mode(path) -> int:
+    """The permission bits a save gives `path`: those of the file it replaces, else
+    what the umask gives a new file (as open() would)."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
+    except OSError:
+        pass
+    return 0o666 & ~_umask()
+
+
 @contextlib.contextmanager
 def atomic_file(path):
     """A binary file that replaces `path` only once it is completely written and
-    synced: a temporary in the same directory, renamed over the target. On any
-    error the temporary is removed and the target is left as it was."""
+    synced: a temporary in the same directory, renamed over the target, with the
+    mode of the file it replaces (or the umask's for a new one). On any error the
+    temporary is removed and the target is left as it was."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
@@ -105,7 +133,7 @@ def atomic_file(path):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, new_file_mode(path))
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -114,6 +142,27 @@ def atomic_file(path):
             pass
         raise
     fsync_dir(path.parent or Path("."))
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path):
+    """`path` opened for binary reading, refusing anything but a regular file with a
+    FormatError: a FIFO would block for ever, a device might never end. The check is
+    on the opened descriptor (O_NONBLOCK lets a FIFO open without a writer)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+            raise FormatError(f"{path}: {kind}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def fsync_dir(path) -> None:
@@ -136,8 +185,8 @@ def read_header(path) -> dict:
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(_PREFIX.size)
             if not prefix:
                 raise FormatError(f"{path}: empty file, not an .ibp file")
@@ -242,7 +291,10 @@ def load(path, mmap: bool = True, verify: bool = True) -> CompressedTable:
     path = Path(path)
     h = read_header(path)
     try:
-        data = np.memmap(path, dtype=np.uint8, mode="r") if mmap else np.fromfile(path, dtype=np.uint8)
+        with open_regular(path) as f:
+            data = np.memmap(f, dtype=np.uint8, mode="r") if mmap else np.fromfile(f, dtype=np.uint8)
+    except FormatError:
+        raise
     except (OSError, ValueError) as e:
         raise FormatError(f"{path}: cannot read: {e}") from None
     if data.size != h["file_size"]:

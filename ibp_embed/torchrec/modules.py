@@ -21,17 +21,11 @@ file per table plus ``manifest.json``).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import re
-import secrets
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-import numpy as np
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
@@ -39,8 +33,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..io import atomic_file, load as load_table
-from ..optim import SparseOptimizer, make_optimizer, state_nbytes
+from ..optim import SparseOptimizer, state_nbytes
 from ..store import UpdatableTable, memory_stats
 from ..table import CompressedTable
 from .lookup import (
@@ -62,12 +55,7 @@ __all__ = [
     "IBPEmbeddingBag",
     "IBPEmbeddingBagCollection",
     "FeatureKeyError",
-    "MANIFEST_NAME",
 ]
-
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "ibp_embed.torchrec.IBPEmbeddingBagCollection"
-MANIFEST_VERSION = 1
 
 # Trainable tables rebuild their masks once the stored rows grew this much (UpdatableTable).
 DEFAULT_REPACK_DRIFT = 0.05
@@ -486,55 +474,11 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # ---- compressed checkpoints ----
     def save_compressed(self, path) -> None:
-        """Write one .ibp per table and manifest.json into directory `path`, atomically.
+        """Write one .ibp per table and manifest.json into directory `path`, atomically
+        (see ibp_embed.torchrec.checkpoint)."""
+        from .checkpoint import save_compressed
 
-        Table files get fresh names; the manifest is replaced last (write, fsync,
-        rename), so a reader sees either the old checkpoint or the new one. Files of
-        the previous checkpoint are removed afterwards. A trainable module also writes
-        its optimizer state (one .npy per table and state tensor) and names the
-        optimizer in the manifest.
-        """
-        if any(b.table is None for b in self.embedding_bags.values()):
-            raise RuntimeError("cannot save a meta-device module: it holds no tables")
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        old = _manifest_files(path)
-        token = secrets.token_hex(4)
-        entries = []
-        for i, config in enumerate(self._embedding_bag_configs):
-            bag = self.embedding_bags[config.name]
-            fname = f"{i:04d}-{_safe(config.name)}.{token}.ibp"
-            bag.table.save(path / fname)
-            entry = {
-                "name": config.name, "file": fname,
-                "num_embeddings": config.num_embeddings, "embedding_dim": config.embedding_dim,
-                "feature_names": list(config.feature_names), "pooling": config.pooling.value,
-                "data_type": config.data_type.value,
-                "weight_init_min": config.weight_init_min, "weight_init_max": config.weight_init_max,
-                "file_size": (path / fname).stat().st_size,
-            }
-            if bag.optimizer_state:
-                files = {}
-                for k, v in bag.optimizer_state.items():
-                    sname = f"{i:04d}-{_safe(config.name)}.{token}.{_safe(k)}.npy"
-                    _write_npy(path / sname, v.detach().cpu().numpy())
-                    files[k] = sname
-                entry["optimizer_state"] = files
-            entries.append(entry)
-        manifest = {
-            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
-            "is_weighted": self._is_weighted, "tables": entries,
-            "codec_options": {k: v for k, v in self._codec_options.items() if k != "progress"},
-        }
-        if self.trainable:
-            manifest["optimizer"] = {"name": self._optimizer.name, "params": self._optimizer.params()}
-        _atomic_write(path / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
-        keep = {e["file"] for e in entries} | {f for e in entries for f in e.get("optimizer_state", {}).values()}
-        for f in old - keep:
-            try:
-                (path / f).unlink()
-            except OSError:
-                pass
+        save_compressed(self, path)
 
     @classmethod
     def load_compressed(cls, path, *, mmap: bool = False, verify: bool = True,
@@ -551,43 +495,14 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         hyper-parameters. A checkpoint without optimizer state starts from fresh state.
         Asking for another kind of optimizer than the checkpoint's raises ValueError.
         """
-        path = Path(path)
-        manifest = _read_manifest(path)
-        saved_opt = manifest.get("optimizer")
-        if isinstance(optimizer, str):
-            if optimizer != "saved":
-                raise ValueError(f"optimizer must be a SparseOptimizer, None or 'saved', not {optimizer!r}")
-            if not saved_opt:
-                raise ValueError(f"{path / MANIFEST_NAME}: the checkpoint holds no optimizer (an inference "
-                                 f"checkpoint); pass an optimizer to start training from it")
-            try:
-                optimizer = make_optimizer(saved_opt["name"], **saved_opt.get("params", {}))
-            except (TypeError, ValueError, KeyError) as e:
-                raise ValueError(f"{path / MANIFEST_NAME}: bad optimizer entry {saved_opt!r}: {e}") from None
-        if optimizer is not None and saved_opt and saved_opt.get("name") != optimizer.name:
-            raise ValueError(f"{path / MANIFEST_NAME}: the checkpoint's optimizer state is for "
-                             f"{saved_opt.get('name')!r}, not {optimizer.name!r}")
-        configs, tables, states = [], {}, {}
-        for e in manifest["tables"]:
-            config = EmbeddingBagConfig(
-                num_embeddings=int(e["num_embeddings"]), embedding_dim=int(e["embedding_dim"]),
-                name=e["name"], feature_names=list(e["feature_names"]),
-                pooling=PoolingType(e["pooling"]), data_type=DataType(e["data_type"]),
-                weight_init_min=e.get("weight_init_min"), weight_init_max=e.get("weight_init_max"))
-            t = load_table(path / e["file"], mmap=mmap and optimizer is None, verify=verify)
-            if tuple(t.shape) != (config.num_embeddings, config.embedding_dim):
-                raise ValueError(f"{path / e['file']}: table has shape {tuple(t.shape)}, the manifest "
-                                 f"says ({config.num_embeddings}, {config.embedding_dim})")
-            configs.append(config)
-            tables[config.name] = t
-            if optimizer is not None and e.get("optimizer_state"):
-                states[config.name] = {k: _read_npy(path / f) for k, f in e["optimizer_state"].items()}
+        from .checkpoint import read_compressed
+
+        configs, tables, states, manifest, optimizer = read_compressed(path, optimizer, mmap=mmap, verify=verify)
         opts = dict(manifest.get("codec_options") or {})
         opts.update(codec_options)
         module = cls(configs, is_weighted=bool(manifest["is_weighted"]),
                      ignore_extra_features=ignore_extra_features, dedup=dedup, optimizer=optimizer,
-                     repack_drift=repack_drift, _tables=tables,
-                     **check_codec_options(opts))
+                     repack_drift=repack_drift, _tables=tables, **check_codec_options(opts))
         for name, st in states.items():
             bag = module.embedding_bags[name]
             for k, v in st.items():
@@ -600,59 +515,3 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def extra_repr(self) -> str:
         opt = f", optimizer={self._optimizer!r}" if self.trainable else ""
         return f"is_weighted={self._is_weighted}, device={self._device}, dedup={self.dedup!r}{opt}"
-
-
-def _write_npy(target: Path, array: np.ndarray) -> None:
-    with open(target, "wb") as f:
-        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable optimizer state: {e}") from None
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64] or "table"
-
-
-def _read_manifest(path: Path) -> Dict[str, Any]:
-    try:
-        manifest = json.loads((path / MANIFEST_NAME).read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no {MANIFEST_NAME} (not a save_compressed directory)") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path / MANIFEST_NAME}: unreadable manifest: {e}") from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path / MANIFEST_NAME}: not an IBPEmbeddingBagCollection manifest")
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"{path / MANIFEST_NAME}: manifest version {manifest.get('version')} "
-                         f"(this build reads {MANIFEST_VERSION})")
-    # Files are read, and replaced ones deleted, by name: only plain names inside
-    # the directory are accepted, never a path that could reach elsewhere.
-    try:
-        names = [e["file"] for e in manifest["tables"]] + [
-            f for e in manifest["tables"] for f in (e.get("optimizer_state") or {}).values()]
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path / MANIFEST_NAME}: malformed table list: {e}") from None
-    for name in names:
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(f"{path / MANIFEST_NAME}: file entry {name!r} is not a plain file name")
-    return manifest
-
-
-def _manifest_files(path: Path) -> set:
-    try:
-        tables = _read_manifest(path)["tables"]
-        return {e["file"] for e in tables} | {f for e in tables for f in (e.get("optimizer_state") or {}).values()}
-    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
-        return set()
-
-
-def _atomic_write(target: Path, data: bytes) -> None:
-    with atomic_file(target) as f:
-        f.write(data)
