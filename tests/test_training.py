@@ -159,7 +159,7 @@ def train_ibp(optimizer, pooling, weighted, batches):
         losses.append(loss.detach())
     for bag in ebc.embedding_bags.values():
         assert isinstance(bag.table, UpdatableTable)  # stayed compressed throughout
-    tables = [ebc.embedding_bags[name].weight() for name, *_ in TABLES]
+    tables = [ebc.embedding_bags[name].weight for name, *_ in TABLES]
     states = None
     if not isinstance(optimizer, SGD):
         states = [ebc.embedding_bags[name].optimizer_state["momentum1"].clone() for name, *_ in TABLES]
@@ -219,7 +219,7 @@ def test_weighted_mean_gradient_is_w_over_l():
     configs = [EmbeddingBagConfig(name="t", num_embeddings=20, embedding_dim=4, feature_names=["f"],
                                   pooling=PoolingType.MEAN)]
     ebc = IBPEmbeddingBagCollection(configs, is_weighted=True, optimizer=SGD(1.0))
-    before = ebc.embedding_bags["t"].weight()
+    before = ebc.embedding_bags["t"].weight
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([3, 5, 3, 7]),
                                               lengths=torch.tensor([3, 1]),
                                               weights=torch.tensor([0.5, 2.0, 0.25, 4.0]))
@@ -228,7 +228,7 @@ def test_weighted_mean_gradient_is_w_over_l():
     torch.testing.assert_close(out, expected)
     g = torch.tensor([[1.0, 2.0, 3.0, 4.0], [-1.0, 0.5, 0.0, 2.0]])
     out.backward(g)
-    after = ebc.embedding_bags["t"].weight()
+    after = ebc.embedding_bags["t"].weight
     torch.testing.assert_close(after[3], before[3] - 0.75 / 3 * g[0])
     torch.testing.assert_close(after[5], before[5] - 2.0 / 3 * g[0])
     torch.testing.assert_close(after[7], before[7] - 4.0 * g[1])
@@ -240,14 +240,14 @@ def test_no_dense_gradient_and_inference_path_unchanged():
     ebc = IBPEmbeddingBagCollection(configs, optimizer=SGD(0.1))
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([1, 2, 2, 5]),
                                               lengths=torch.tensor([3, 1]))
-    before = ebc.embedding_bags["t"].weight()
+    before = ebc.embedding_bags["t"].weight
     with torch.no_grad():  # no grad mode: a plain lookup, nothing to update
         out = ebc(kjt).values()
     assert not out.requires_grad
     assert list(ebc.parameters()) == []  # no dense table parameter, no dense gradient
     out = ebc(kjt).values()
     out.sum().backward()
-    after = ebc.embedding_bags["t"].weight()
+    after = ebc.embedding_bags["t"].weight
     changed = torch.nonzero((after != before).any(1)).flatten().tolist()
     assert changed == [1, 2, 5]
     # row 2 occurs twice in bag 0: gradient 2, SGD step -0.1 * 2
@@ -331,13 +331,13 @@ def test_optimizer_state_in_state_dict_and_compressed_checkpoints(tmp_path):
     assert loaded.optimizer == RowWiseAdagrad(0.1)
     for m in (other, loaded):
         for name, bag in ebc.embedding_bags.items():
-            assert torch.equal(m.embedding_bags[name].weight(), bag.weight())
+            assert torch.equal(m.embedding_bags[name].weight, bag.weight)
             assert torch.equal(m.embedding_bags[name].optimizer_state["momentum1"], bag.optimizer_state["momentum1"])
     for m in (ebc, other, loaded):
         _train(m, 3, start=5)
     for m in (other, loaded):
         for name, bag in ebc.embedding_bags.items():
-            assert torch.equal(m.embedding_bags[name].weight(), bag.weight())
+            assert torch.equal(m.embedding_bags[name].weight, bag.weight)
     # an inference load of the same checkpoint ignores the state; another optimizer kind is refused
     inf = IBPEmbeddingBagCollection.load_compressed(tmp_path / "ck")
     assert not inf.trainable and inf.memory_stats()["optimizer_state_bytes"] == 0
@@ -348,7 +348,7 @@ def test_optimizer_state_in_state_dict_and_compressed_checkpoints(tmp_path):
     assert set(plain.state_dict()) == {"embedding_bags.a.weight", "embedding_bags.b.weight"}
     fresh = IBPEmbeddingBagCollection.from_embedding_bag_collection(plain, optimizer=SGD(0.5))
     assert fresh.trainable and fresh.memory_stats()["optimizer_state_bytes"] == 0
-    assert torch.equal(fresh.embedding_bags["a"].weight(), loaded.embedding_bags["a"].weight())
+    assert torch.equal(fresh.embedding_bags["a"].weight, loaded.embedding_bags["a"].weight)
 
 
 def test_memory_figures_and_trainable_checks():

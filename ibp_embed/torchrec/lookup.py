@@ -12,6 +12,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
+from ..ops import dedup_pool
 from ..table import CompressedTable
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
@@ -62,8 +63,9 @@ def pooling_mode(config_or_pooling) -> str:
 
 
 def resolve_device(device) -> torch.device:
-    """cpu (default) or meta; cuda raises NotImplementedError naming the missing path."""
-    device = torch.device("cpu") if device is None else torch.device(device)
+    """cpu or meta (default: torch's default device, so ``with torch.device("meta")``
+    builds meta modules); cuda raises NotImplementedError naming the missing path."""
+    device = torch.empty(0).device if device is None else torch.device(device)
     if device.type == "cuda":
         raise NotImplementedError(CUDA_MISSING)
     if device.type not in ("cpu", "meta"):
@@ -123,38 +125,23 @@ def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
     return vals, off_np, w, b
 
 
-DEDUP_MODES = ("auto", "always", "never")
-DEDUP_MIN_IDS = 256        # auto: fewer ids than this always take the fused native lookup
-DEDUP_MAX_UNIQUE = 0.5     # auto: deduplicate when at most this fraction of the ids is distinct
+DEDUP_MODES = {"never": 0, "always": 1, "auto": 2}
 
 
 def check_dedup(dedup: str) -> str:
     if dedup not in DEDUP_MODES:
-        raise ValueError(f"dedup must be one of {DEDUP_MODES}, not {dedup!r}")
+        raise ValueError(f"dedup must be one of {tuple(DEDUP_MODES)}, not {dedup!r}")
     return dedup
 
 
 def _lookup_one(s: Slot, ids: np.ndarray, bag_off: np.ndarray, w: Optional[np.ndarray],
                 dedup: str) -> torch.Tensor:
-    """Pool one feature. dedup: decode each distinct id once (CompressedTable.gather) and pool
-    the decoded rows with torch's embedding_bag, ids in their original order (the same
-    summation order as the native lookup); otherwise the native fused decode-and-pool."""
-    if dedup != "never" and ids.size >= (1 if dedup == "always" else DEDUP_MIN_IDS):
-        ids_t = torch.from_numpy(ids)
-        uniq, inv = torch.unique(ids_t, sorted=True, return_inverse=True)
-        if dedup == "always" or uniq.numel() <= DEDUP_MAX_UNIQUE * ids.size:
-            rows = s.table.gather(uniq)
-            if rows.dtype != torch.float32:
-                rows = rows.float()
-            off_t = torch.from_numpy(bag_off)
-            # MEAN as the native kernel does it: sum, then times 1/length (torch divides)
-            out = torch.nn.functional.embedding_bag(
-                inv, rows, off_t, mode="sum", include_last_offset=True,
-                per_sample_weights=None if w is None else torch.from_numpy(w))
-            if s.mode == "mean":
-                lengths = torch.from_numpy(np.diff(bag_off)).clamp_(min=1).to(torch.float32)
-                out *= (1.0 / lengths)[:, None]
-            return out
+    """Pool one feature: deduplicated (ibp_embed.ops.dedup_pool) when `dedup` says so,
+    else the native fused decode-and-pool."""
+    out = dedup_pool(s.table.gather, torch.from_numpy(ids), torch.from_numpy(bag_off),
+                     None if w is None else torch.from_numpy(w), s.mode == "mean", DEDUP_MODES[dedup])
+    if out is not None:
+        return out
     return s.table._lookup_checked(ids, bag_off, w, s.mode)  # lookup_jobs validated everything
 
 

@@ -31,15 +31,20 @@ from torchrec.modules.embedding_modules import (
     EmbeddingBagCollectionInterface,
     get_embedding_names_by_table,
 )
+from torch.fx._symbolic_trace import is_fx_tracing
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
 from ..optim import SparseOptimizer, state_nbytes
 from ..store import UpdatableTable, memory_stats
+from ..ops import table_from_tensors, table_tensors
 from ..table import CompressedTable
 from .lookup import (
+    CUDA_MISSING,
     FeatureKeyError,
     Slot,
     check_codec_options,
+    DEDUP_MODES,
     check_dedup,
     compress_weight,
     concat_features,
@@ -59,31 +64,57 @@ __all__ = [
 
 # Trainable tables rebuild their masks once the stored rows grew this much (UpdatableTable).
 DEFAULT_REPACK_DRIFT = 0.05
+_BUFFER_DTYPES = {"masks": torch.int64, "bitvals": torch.int64, "block_base": torch.int64,
+                  "rel": torch.int16, "payload": torch.uint8}
+_MODE_CODES = {"sum": 0, "mean": 1}
 
 # ---------------------------------------------------------------------------
 # One table
 # ---------------------------------------------------------------------------
 
 class IBPEmbeddingBag(nn.Module):
-    """One compressed table; its state_dict entry ``weight`` is the decompressed tensor.
+    """One compressed table, looked up by ``torch.ops.ibp.pooled_lookup``.
 
-    Trainable (after ``make_trainable``): the table is an :class:`UpdatableTable` and
-    the optimizer's per-row state (e.g. ``momentum1``) sits, uncompressed, in
-    ``optimizer_state`` and in the state_dict next to ``weight``.
+    The packed table is held as non-persistent buffers (``masks``, ``bitvals``,
+    ``block_base``, ``rel``, ``payload``: see ibp_embed.ops) plus ``meta``, so fx,
+    torch.compile and torch.export see the lookup as one operator over tensors, and
+    ``.to("meta")`` / ``to_empty`` / deepcopy / pickling move or copy compressed bytes.
+    The state_dict entry is TorchRec's ``weight``: the table decompressed, as is the
+    ``weight`` attribute (a new tensor on every access, not a parameter).
+
+    Trainable (after ``make_trainable``): the table is an :class:`UpdatableTable`
+    (libibp's store; the buffers are then empty) and the optimizer's state (e.g.
+    ``momentum1``) sits, uncompressed, in ``optimizer_state`` and in the state_dict.
     """
 
+    # Python-side properties TorchScript must not compile (forward is scriptable).
+    __jit_unused_properties__ = ["table", "trainable", "weight", "optimizer_state_nbytes"]
+
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, mode: str,
-                 table: Optional[CompressedTable], codec_options: Dict[str, Any], name: str = ""):
+                 table: Optional[CompressedTable], codec_options: Dict[str, Any], name: str = "",
+                 device: Optional[torch.device] = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.dtype, self.mode, self.name = dtype, mode, name
+        self.mode_code = _MODE_CODES[mode]
+        self._what = f"table {name!r}"
         self._codec_options = codec_options
-        self.table: Optional[Union[CompressedTable, UpdatableTable]] = None
+        for k, dt in _BUFFER_DTYPES.items():
+            self.register_buffer(k, torch.empty(0, dtype=dt, device=device), persistent=False)
+        self.meta: List[int] = [self.num_embeddings, self.embedding_dim, 64, 0]
+        self.dedup = 0  # DEDUP_MODES value, set by the collection
+        self._table: Optional[Union[CompressedTable, UpdatableTable]] = None
         self.optimizer: Optional[SparseOptimizer] = None
         self.optimizer_state: Dict[str, torch.Tensor] = {}
         self._repack_drift: Optional[float] = None
         if table is not None:
             self.set_table(table)
+
+    @property
+    def table(self) -> Optional[Union[CompressedTable, UpdatableTable]]:
+        """The CompressedTable (over the buffers), an UpdatableTable when trainable, or
+        None while the module holds no weights (meta device, or materialised empty)."""
+        return self._table
 
     @property
     def trainable(self) -> bool:
@@ -93,19 +124,20 @@ class IBPEmbeddingBag(nn.Module):
                        ) -> None:
         """Hold the table as an UpdatableTable and give it fresh optimizer state."""
         if not isinstance(optimizer, SparseOptimizer):
-            raise TypeError(f"optimizer must be an ibp_embed.optim.SparseOptimizer (SGD, RowWiseAdagrad), "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(f"optimizer must be an ibp_embed.optim.SparseOptimizer (SGD, Adagrad, "
+                            f"RowWiseAdagrad), got {type(optimizer).__name__}")
         if self.dtype != torch.float32:
             raise ValueError(f"table {self.name!r}: training needs an FP32 table, this one holds {self.dtype} "
                              f"(FBGEMM rounds fp16 updates stochastically; there is nothing exact to match)")
         self.optimizer = optimizer
         self._repack_drift = repack_drift
         self.reset_state()
-        if self.table is not None:
-            self.set_table(self.table)
+        if self._table is not None:
+            self.set_table(self._table)
 
     def reset_state(self) -> None:
-        self.optimizer_state = {} if self.optimizer is None else self.optimizer.init_state(self.num_embeddings, self.embedding_dim)
+        self.optimizer_state = {} if self.optimizer is None else \
+            self.optimizer.init_state(self.num_embeddings, self.embedding_dim)
 
     def set_table(self, table: Union[CompressedTable, UpdatableTable]) -> None:
         if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
@@ -116,7 +148,14 @@ class IBPEmbeddingBag(nn.Module):
                              f"the config says {self.dtype}")
         if self.trainable and not isinstance(table, UpdatableTable):
             table = UpdatableTable(table, repack_drift=self._repack_drift, codec_options=self._codec_options)
-        self.table = table
+        self._table = table
+        if isinstance(table, CompressedTable):
+            tensors = table_tensors(table)
+            self.meta = tensors.pop("meta")
+        else:  # the store holds the rows
+            tensors = {k: torch.empty(0, dtype=dt) for k, dt in _BUFFER_DTYPES.items()}
+        for k, v in tensors.items():
+            setattr(self, k, v)
 
     def load_weight(self, weight: torch.Tensor) -> None:
         if not isinstance(weight, torch.Tensor):
@@ -126,11 +165,64 @@ class IBPEmbeddingBag(nn.Module):
                              f"({self.num_embeddings}, {self.embedding_dim})")
         self.set_table(compress_weight(weight, self.dtype, self._codec_options))
 
+    @property
     def weight(self) -> torch.Tensor:
-        """The whole table decompressed (a new tensor; for checkpoints, not for lookups)."""
-        if self.table is None:
+        """The whole table decompressed: a new tensor on every access (for checkpoints and
+        inspection; lookups never decompress the table). On the meta device, a meta tensor."""
+        if self._table is None:
             return torch.empty((self.num_embeddings, self.embedding_dim), dtype=self.dtype, device="meta")
-        return self.table.decompress()
+        return self._table.decompress()
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: Optional[torch.Tensor] = None, feature: str = "") -> torch.Tensor:
+        """Pooled lookup as nn.EmbeddingBag's (offsets with B + 1 entries): [B, dim] float32."""
+        what = self._what if feature == "" else "feature '" + feature + "' of " + self._what
+        if self.payload.numel() == 0 and input.device.type != "meta":
+            if not torch.jit.is_scripting():
+                raise RuntimeError(what + self._no_table_reason())
+            raise RuntimeError(what + " holds no packed table")
+        return torch.ops.ibp.pooled_lookup(self.masks, self.bitvals, self.block_base, self.rel, self.payload,
+                                           self.meta, self.dtype, input, offsets, per_sample_weights,
+                                           self.mode_code, what, self.dedup)
+
+    @torch.jit.unused
+    def _no_table_reason(self) -> str:
+        if isinstance(self._table, UpdatableTable):
+            return " is trainable: its rows are in an UpdatableTable (look it up through the collection)"
+        return (" is on the meta device or was materialised empty: load weights (load_state_dict or "
+                "load_compressed) before running it on real inputs")
+
+    def _apply(self, fn, recurse=True):
+        # Buffers move as any module's; the table view follows them.
+        super()._apply(fn, recurse)
+        dev = self.payload.device
+        if dev.type == "cuda":
+            raise NotImplementedError(f"table {self.name!r}: {CUDA_MISSING}")
+        if isinstance(self._table, UpdatableTable) and dev.type == "cpu":
+            return self
+        if dev.type == "meta" or self.payload.numel() == 0:
+            self._table = None  # moved to meta, or materialised empty (to_empty): load weights next
+        elif self._table is None or self._table._payload.ctypes.data != self.payload.data_ptr():
+            self._table = table_from_tensors(self._buffers, self.meta, self.dtype)
+        return self
+
+    # deepcopy and pickling copy the compressed bytes, never native handles
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        table = state.pop("_table")
+        if isinstance(table, UpdatableTable):
+            state["_packed"] = table_tensors(table.to_table())
+        return state
+
+    def __setstate__(self, state):
+        packed = state.pop("_packed", None)
+        self.__dict__.update(state)
+        self._table = None
+        if packed is not None:
+            self._table = UpdatableTable(table_from_tensors(packed, packed["meta"], self.dtype),
+                                         repack_drift=self._repack_drift, codec_options=self._codec_options)
+        elif self.payload.device.type == "cpu" and self.payload.numel():
+            self._table = table_from_tensors(self._buffers, self.meta, self.dtype)
 
     @property
     def optimizer_state_nbytes(self) -> int:
@@ -143,7 +235,7 @@ class IBPEmbeddingBag(nn.Module):
 
     # state_dict integration: a virtual "weight" entry (+ the optimizer state, when trainable).
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight()
+        destination[prefix + "weight"] = self.weight
         for k, v in self.optimizer_state.items():
             destination[prefix + k] = v.detach().clone()
 
@@ -199,6 +291,11 @@ class IBPEmbeddingBag(nn.Module):
 class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     """EmbeddingBagCollection with IBP-compressed, host-resident tables.
 
+    Inference modules look tables up with ``torch.ops.ibp.pooled_lookup``: forward can
+    be traced by torch.fx / torchrec.fx, compiled with ``torch.compile(fullgraph=True)``,
+    exported with ``torch.export`` and scripted with ``torch.jit.script``, as TorchRec's
+    EBC. Trainable modules run eagerly (backward updates the tables in place).
+
     Args:
         tables: the EmbeddingBagConfigs (FP32, FP16 or BF16; SUM or MEAN pooling).
         is_weighted: whether inputs carry per-id weights (as in TorchRec). With MEAN
@@ -208,8 +305,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             TorchRec's default uniform(-sqrt(1/N), sqrt(1/N)), then compressed), or
             "meta" (no storage: load weights with load_state_dict or load_compressed).
             "cuda" raises NotImplementedError: there is no CUDA lookup path yet.
-        ignore_extra_features: accept input keys no table reads (TorchRec's EBC does);
-            by default they raise FeatureKeyError.
+        strict_features: raise FeatureKeyError for input keys no table reads (and for
+            repeated keys); by default they are ignored, as TorchRec's EBC ignores them.
         dedup: "never" (default: the native fused decode-and-pool on every id),
             "always" or "auto". Deduplicated lookups decode each distinct id of a
             feature's batch once (CompressedTable.gather), then pool the decoded rows
@@ -233,8 +330,12 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             passed to :func:`ibp_embed.compress` whenever a table is (re)compressed.
     """
 
+    # Python-side properties TorchScript must not compile (forward is scriptable).
+    __jit_unused_properties__ = ["optimizer", "trainable", "compressed_nbytes", "raw_nbytes",
+                                 "optimizer_state_nbytes", "dedup"]
+
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
-                 device: Optional[torch.device] = None, *, ignore_extra_features: bool = False,
+                 device: Optional[torch.device] = None, *, strict_features: bool = False,
                  dedup: str = "never", optimizer: Optional[SparseOptimizer] = None,
                  repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                  _tables: Optional[Dict[str, CompressedTable]] = None,
@@ -242,9 +343,10 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         super().__init__()
         self._codec_options = check_codec_options(codec_options)
         self._device = resolve_device(device)
+        self._trainable = False
         self._is_weighted = bool(is_weighted)
-        self._ignore_extra = bool(ignore_extra_features)
-        self.dedup = check_dedup(dedup)
+        self._strict_features = bool(strict_features)
+        self._dedup = check_dedup(dedup)
         self._embedding_bag_configs = tables
         self.embedding_bags: nn.ModuleDict = nn.ModuleDict()
         self._optimizer: Optional[SparseOptimizer] = None
@@ -258,8 +360,10 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if config.num_embeddings <= 0 or config.embedding_dim <= 0:
                 raise ValueError(f"table {config.name!r}: num_embeddings and embedding_dim must be positive")
             bag = IBPEmbeddingBag(config.num_embeddings, config.embedding_dim, table_dtype(config),
-                                  pooling_mode(config), None, self._codec_options, config.name)
+                                  pooling_mode(config), None, self._codec_options, config.name,
+                                  device=self._device)
             self.embedding_bags[config.name] = bag
+        self.dedup = self._dedup
         if optimizer is not None:
             self.set_optimizer(optimizer, repack_drift)
         if _tables is not None:
@@ -270,7 +374,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             e for names_ in get_embedding_names_by_table(tables) for e in names_]
         self._lengths_per_embedding: List[int] = [
             c.embedding_dim for c in tables for _ in c.feature_names]
-        self._needed = {f for names_ in self._feature_names for f in names_}
+        self._needed_list = list(dict.fromkeys(f for names_ in self._feature_names for f in names_))
+        self._needed = set(self._needed_list)
         if _tables is None and self._device.type == "cpu":
             self.reset_parameters()
         elif _tables is not None:
@@ -279,7 +384,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     # ---- construction from other forms ----
     @classmethod
     def from_embedding_bag_collection(cls, ebc: EmbeddingBagCollection, *,
-                                      ignore_extra_features: bool = False, dedup: str = "never",
+                                      strict_features: bool = False, dedup: str = "never",
                                       optimizer: Optional[SparseOptimizer] = None,
                                       repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                                       **codec_options: Any) -> "IBPEmbeddingBagCollection":
@@ -305,7 +410,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             c.data_type = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
                            torch.bfloat16: DataType.BF16}[weight.dtype]
             tables[c.name] = compress_weight(weight, weight.dtype, codec_options)
-        return cls(configs, is_weighted=ebc.is_weighted(), ignore_extra_features=ignore_extra_features,
+        return cls(configs, is_weighted=ebc.is_weighted(), strict_features=strict_features,
                    dedup=dedup, optimizer=optimizer, repack_drift=repack_drift, _tables=tables, **codec_options)
 
     def to_embedding_bag_collection(self, device=None) -> EmbeddingBagCollection:
@@ -314,7 +419,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         configs = [dataclasses.replace(c, feature_names=list(c.feature_names))
                    for c in self._embedding_bag_configs]
         ebc = EmbeddingBagCollection(configs, is_weighted=self._is_weighted, device=device)
-        ebc.load_state_dict({f"embedding_bags.{n}.weight": b.weight() for n, b in self.embedding_bags.items()})
+        ebc.load_state_dict({f"embedding_bags.{n}.weight": b.weight for n, b in self.embedding_bags.items()})
         return ebc
 
     # ---- training ----
@@ -337,6 +442,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         for bag in self.embedding_bags.values():
             bag.make_trainable(optimizer, repack_drift)
         self._optimizer = optimizer
+        self._trainable = True
 
     def optimizer_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """table name -> {state name: tensor} (the live tensors, not copies)."""
@@ -426,36 +532,70 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 slots.append(Slot(bag.table, bag.mode, bag.embedding_dim, bag.num_embeddings, f, config.name))
         return slots
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if not isinstance(features, KeyedJaggedTensor):
-            from torchrec.sparse.tensor_dict import maybe_td_to_kjt
+    @property
+    def dedup(self) -> str:
+        return self._dedup
 
-            features = maybe_td_to_kjt(features, None)
-            if not isinstance(features, KeyedJaggedTensor):
-                raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+    @dedup.setter
+    def dedup(self, value: str) -> None:
+        self._dedup = check_dedup(value)
+        for bag in self.embedding_bags.values():
+            bag.dedup = DEDUP_MODES[value]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool every feature of every table (EmbeddingBagCollection.forward's contract:
+        input keys no table reads are ignored unless strict_features=True)."""
+        features = maybe_td_to_kjt(features, None)
+        if not torch.jit.is_scripting():
+            if not is_fx_tracing():
+                self._check_features(features)
+            if self._trainable:
+                return self._forward_trainable(features)
+        feature_dict = features.to_dict()
+        pooled: List[torch.Tensor] = []
+        for i, bag in enumerate(self.embedding_bags.values()):
+            for f in self._feature_names[i]:
+                jt = feature_dict[f]
+                pooled.append(bag(jt.values(), jt.offsets(), jt.weights() if self._is_weighted else None, f))
+        return KeyedTensor(keys=self._embedding_names, values=torch.cat(pooled, dim=1),
+                           length_per_key=self._lengths_per_embedding)
+
+    @torch.jit.unused
+    def _check_features(self, features: KeyedJaggedTensor) -> None:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+        if features.variable_stride_per_key():
+            raise NotImplementedError("IBPEmbeddingBagCollection: variable batch size per feature (VBE) is "
+                                      "not supported")
         keys = features.keys()
-        if len(set(keys)) != len(keys):
-            raise FeatureKeyError(f"IBPEmbeddingBagCollection: duplicate keys in input {list(keys)}")
-        pos = {k: i for i, k in enumerate(keys)}
-        missing = [f for f in dict.fromkeys(f for fs in self._feature_names for f in fs) if f not in pos]
+        missing = [f for f in self._needed_list if f not in keys]
         if missing:
             raise FeatureKeyError(f"IBPEmbeddingBagCollection: input lacks feature(s) {missing}; it has "
                                   f"{list(keys)}")
-        extra = [k for k in keys if k not in self._needed]
-        if extra and not self._ignore_extra:
-            raise FeatureKeyError(f"IBPEmbeddingBagCollection: unknown feature(s) {extra} (the tables "
-                                  f"read {sorted(self._needed)}); pass ignore_extra_features=True to "
-                                  f"ignore them")
+        if self._strict_features:
+            extra = [k for k in keys if k not in self._needed]
+            if extra or len(set(keys)) != len(keys):
+                raise FeatureKeyError(f"IBPEmbeddingBagCollection (strict_features): input keys {list(keys)}; "
+                                      f"the tables read exactly {self._needed_list}")
+        if self._is_weighted and features.weights_or_none() is None:
+            raise ValueError("IBPEmbeddingBagCollection is weighted (is_weighted=True) but the "
+                             "KeyedJaggedTensor has no weights")
+
+    @torch.jit.unused
+    def _forward_trainable(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Eager lookups in the tables' stores; under grad mode their outputs take part in
+        autograd and backward applies the sparse optimizer (not traceable)."""
+        keys = features.keys()
+        pos = {k: i for i, k in enumerate(keys)}
         slots = self._slots()
         key_index = [pos[s.feature] for s in slots]
         who = "IBPEmbeddingBagCollection"
-        if self.trainable and torch.is_grad_enabled() and features.values().device.type != "meta":
+        if torch.is_grad_enabled() and features.values().device.type != "meta":
             jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
             values = training_lookup(self, jobs, b, self.dedup)
         else:
             values = pooled_lookup(features, slots, self._is_weighted, who, key_index, self.dedup)
-        return KeyedTensor(keys=self._embedding_names, values=values,
-                           length_per_key=self._lengths_per_embedding)
+        return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -482,7 +622,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @classmethod
     def load_compressed(cls, path, *, mmap: bool = False, verify: bool = True,
-                        ignore_extra_features: bool = False, dedup: str = "never",
+                        strict_features: bool = False, dedup: str = "never",
                         optimizer: Optional[SparseOptimizer] = None,
                         repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                         **codec_options: Any) -> "IBPEmbeddingBagCollection":
@@ -501,7 +641,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         opts = dict(manifest.get("codec_options") or {})
         opts.update(codec_options)
         module = cls(configs, is_weighted=bool(manifest["is_weighted"]),
-                     ignore_extra_features=ignore_extra_features, dedup=dedup, optimizer=optimizer,
+                     strict_features=strict_features, dedup=dedup, optimizer=optimizer,
                      repack_drift=repack_drift, _tables=tables, **check_codec_options(opts))
         for name, st in states.items():
             bag = module.embedding_bags[name]

@@ -1,0 +1,152 @@
+"""IBPEmbeddingBagCollection as a drop-in for TorchRec's EBC: the torch.ops.ibp operators,
+fx / compile / export / script on a DLRM, copies, pickling, the meta device, .weight."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+import torchrec.fx  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
+from torchrec.models.dlrm import DLRM  # noqa: E402
+from torchrec.modules.embedding_configs import DataType, PoolingType  # noqa: E402
+
+import ibp_embed  # noqa: E402
+from ibp_embed import ops  # noqa: E402
+from ibp_embed.optim import RowWiseAdagrad  # noqa: E402
+from ibp_embed.torchrec import IBPEmbeddingBagCollection  # noqa: E402
+
+
+def tables():
+    return [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=300, feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=120, feature_names=["f2"],
+                               pooling=PoolingType.MEAN),
+            EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=50, feature_names=["f3"],
+                               data_type=DataType.FP16)]
+
+
+def kjt(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (4 * 3,), generator=g)
+    values = torch.randint(0, 50, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2", "f3"], values=values, lengths=lengths)
+
+
+@pytest.fixture
+def pair():
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables())
+    return ebc, IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)
+
+
+def same(a, b):
+    assert a.keys() == b.keys() and torch.equal(a.values(), b.values())
+
+
+def dlrm(ebc):
+    torch.manual_seed(1)
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[8, 8],
+                over_arch_layer_sizes=[8, 1])
+
+
+# ---- the operators ----
+
+def test_operators_match_the_table_and_pass_opcheck():
+    t = ibp_embed.compress(torch.randn(500, 12) * 0.01, clusters=3)
+    tt = ops.table_tensors(t)
+    args = [tt[k] for k in ops.TABLE_TENSORS] + [tt["meta"], torch.float32]
+    ids = torch.tensor([3, 499, 3, 0, 7, 7, 7])
+    off = torch.tensor([0, 2, 2, 7])
+    w = torch.rand(7)
+    for mode, name in ((0, "sum"), (1, "mean")):
+        out = torch.ops.ibp.pooled_lookup(*args, ids, off, w, mode, "t")
+        assert torch.equal(out, t.lookup(ids, off, w, mode=name))
+    assert torch.equal(torch.ops.ibp.gather(*args, ids.view(7, 1), "t"), t.gather(ids.view(7, 1)))
+    torch.library.opcheck(torch.ops.ibp.pooled_lookup.default, (*args, ids, off, w, 0, "t", 0))
+    torch.library.opcheck(torch.ops.ibp.gather.default, (*args, ids.view(7, 1), "t"))
+    with pytest.raises(IndexError, match="t: id 500 out of range for a table of 500 rows"):
+        torch.ops.ibp.pooled_lookup(*args, torch.tensor([500]), torch.tensor([0, 1]), None, 0, "t")
+    with pytest.raises(ValueError, match="offsets"):
+        torch.ops.ibp.pooled_lookup(*args, ids, torch.tensor([0, 5, 2, 7]), None, 0, "t")
+    with pytest.raises(ValueError, match="do not fit"):
+        torch.ops.ibp.pooled_lookup(*args[:4], tt["payload"][:10], tt["meta"], torch.float32, ids, off, None, 0, "t")
+    # round trip of the tensors back into a (validated) table
+    again = ops.table_from_tensors(tt, tt["meta"], torch.float32)
+    assert torch.equal(again.decompress(), t.decompress())
+
+
+# ---- graph capture ----
+
+def test_fx_compile_export_and_script_on_a_dlrm():
+    torch.manual_seed(0)
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100 * (i + 1),
+                                  feature_names=[f"f{i}"], pooling=PoolingType.MEAN if i == 2 else PoolingType.SUM)
+               for i in range(4)]
+    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(EmbeddingBagCollection(configs))
+    model = dlrm(ibp)
+    dense, features = torch.randn(3, 4), kjt()
+    ref = model(dense, features)
+    gm = torchrec.fx.symbolic_trace(model)
+    assert "ibp.pooled_lookup" in str(gm.graph)
+    assert torch.equal(gm(dense, features), ref)
+    assert torch.equal(torch.jit.script(model)(dense, features), ref)
+    ep = torch.export.export(model, (dense, features), strict=False)
+    assert torch.equal(ep.module()(dense, features), ref)
+    # compile: the embedding output exactly, the dense arch up to its own reassociation
+    same(torch.compile(ibp, fullgraph=True)(features), ibp(features))
+    torch.testing.assert_close(torch.compile(model, fullgraph=True)(dense, features), ref)
+
+
+# ---- EBC behaviour ----
+
+def test_weight_parameters_buffers_and_state_dict(pair):
+    ebc, ibp = pair
+    for name, bag in ibp.embedding_bags.items():
+        w = bag.weight
+        assert isinstance(w, torch.Tensor) and torch.equal(w, ebc.embedding_bags[name].weight.detach())
+        assert bag.weight is not w  # a decoded copy on every access
+    assert list(ibp.parameters()) == []
+    buffers = dict(ibp.named_buffers())
+    assert {k.rsplit(".", 1)[1] for k in buffers} == set(ops.TABLE_TENSORS)  # the compressed tables
+    assert sum(b.numel() * b.element_size() for b in buffers.values()) < ibp.raw_nbytes
+    assert set(ibp.state_dict()) == set(ebc.state_dict())  # TorchRec's keys: the decoded weights
+
+
+def test_deepcopy_and_pickle_copy_compressed_bytes(pair):
+    _, ibp = pair
+    features = kjt(3)
+    for other in (copy.deepcopy(ibp), pickle.loads(pickle.dumps(ibp))):
+        same(other(features), ibp(features))
+        assert other.embedding_bags["t0"].table is not ibp.embedding_bags["t0"].table
+    torch.manual_seed(0)
+    big = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=5000,
+                                                     feature_names=["f"])])
+    assert len(pickle.dumps(IBPEmbeddingBagCollection.from_embedding_bag_collection(big))) < \
+        len(pickle.dumps(big))  # compressed bytes, not decoded tables
+    trainable = IBPEmbeddingBagCollection(tables()[:2], optimizer=RowWiseAdagrad(0.1))  # fp32 tables
+    trainable(features).values().sum().backward()
+    twin = pickle.loads(pickle.dumps(trainable))
+    assert twin.trainable and torch.equal(twin.embedding_bags["t0"].optimizer_state["momentum1"],
+                                          trainable.embedding_bags["t0"].optimizer_state["momentum1"])
+    for m in (trainable, twin):  # the copies train on independently, identically
+        m(kjt(4)).values().sum().backward()
+    assert torch.equal(twin.embedding_bags["t0"].weight, trainable.embedding_bags["t0"].weight)
+
+
+def test_meta_construction_to_empty_and_load(pair):
+    ebc, _ = pair
+    with torch.device("meta"):
+        m = IBPEmbeddingBagCollection(tables())
+    assert m.device.type == "meta" and m.embedding_bags["t0"].table is None
+    assert m(KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1], device="meta"),
+                               lengths=torch.tensor([1, 0, 0, 0], device="meta"), stride=1)).values().shape == (1, 40)
+    m.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match="load weights"):
+        m(kjt())
+    m.load_state_dict(ebc.state_dict())
+    features = kjt(5)
+    same(m(features), IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)(features))
+    m.to("meta")
+    assert m.embedding_bags["t1"].table is None
