@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ibp_embed.errors import FormatError
-from ibp_embed.io import fsync_dir, open_regular
+from ibp_embed.files import fsync_dir, open_regular
 
 FORMAT = "dlrm_example.checkpoint"
 VERSION = 2

@@ -33,7 +33,8 @@ from . import _native
 from .codec import compress, index_nbytes
 from .dtypes import NUMPY_TO_TORCH, check_dtype, dtype_name
 from .errors import FormatError
-from .io import load, read_header
+from .io import read_header
+from .table import load
 
 PROG = "ibp-embed"
 TORCH_EXTS = (".pt", ".pth")

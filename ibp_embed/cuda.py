@@ -26,6 +26,7 @@ import torch
 from . import _native
 from .dtypes import LOOKUP_DTYPES
 from .errors import FormatError, NativeLibraryError
+from .table import CompressedTable
 
 _ROOT = Path(__file__).resolve().parent.parent
 _HEADER = _ROOT / "native" / "cuda" / "ibp_cuda.h"
@@ -153,8 +154,6 @@ class CudaTable:
     """
 
     def __init__(self, table, device="cuda", placement: str = "host"):
-        from .table import CompressedTable
-
         if not isinstance(table, CompressedTable):
             raise TypeError(f"expected a CompressedTable, not {type(table).__name__}")
         if placement not in PLACEMENTS:

@@ -7,15 +7,13 @@
 
 Every section carries a CRC-32C in the header. Saving is atomic: the file is
 written beside the target under a temporary name, synced, then renamed over it.
+Opening an .ibp file is ibp_embed.load (ibp_embed.table), built on read_sections.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import stat
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ from . import _native
 from ._native import lib
 from .dtypes import dtype_from_name, dtype_name
 from .errors import FormatError
-from .table import CompressedTable
+from .files import atomic_file, open_regular
 
 MAGIC = b"\x89IBP\r\n\x1a\n"
 _PREFIX = struct.Struct("<8sIIII")
@@ -45,7 +43,7 @@ def _word_dtype(word_bits: int):
     return {16: np.uint16, 32: np.uint32, 64: np.uint64}[word_bits]
 
 
-def _section_arrays(t: CompressedTable) -> dict[str, np.ndarray]:
+def _section_arrays(t) -> dict[str, np.ndarray]:
     wd = _word_dtype(t.word_bits)
     return {
         "masks": t._masks.astype(wd), "bitvals": t._bitvals.astype(wd),
@@ -53,8 +51,8 @@ def _section_arrays(t: CompressedTable) -> dict[str, np.ndarray]:
     }
 
 
-def save(table: CompressedTable, path) -> None:
-    """Write `table` to `path` atomically; an existing file is replaced only on success."""
+def save(table, path) -> None:
+    """Write a CompressedTable to `path` atomically; an existing file is replaced only on success."""
     path = Path(path)
     arrays = _section_arrays(table)
     sections, offset = [], 0
@@ -94,87 +92,27 @@ def save(table: CompressedTable, path) -> None:
                     bar.update(min(_WRITE_CHUNK, raw.size - lo))
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where /proc tells (os.umask can only
-    be read by setting it, which races with other threads creating files)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
-def new_file_mode(path) -> int:
-    """The permission bits a save gives `path`: those of the file it replaces, else
-    what the umask gives a new file (as open() would)."""
-    try:
-        st = os.stat(path)
-        if stat.S_ISREG(st.st_mode):
-            return stat.S_IMODE(st.st_mode)
-    except OSError:
-        pass
-    return 0o666 & ~_umask()
-
-
-@contextlib.contextmanager
-def atomic_file(path):
-    """A binary file that replaces `path` only once it is completely written and
-    synced: a temporary in the same directory, renamed over the target, with the
-    mode of the file it replaces (or the umask's for a new one). On any error the
-    temporary is removed and the target is left as it was."""
+def read_sections(path, mmap: bool = True, verify: bool = True):
+    """(header, {section name: uint8 array}) of an .ibp file: read_header's checks, then
+    every section's checksum (the payload's only when verify)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    h = read_header(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, new_file_mode(path))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        with open_regular(path) as f:
+            data = np.memmap(f, dtype=np.uint8, mode="r") if mmap else np.fromfile(f, dtype=np.uint8)
+    except FormatError:
         raise
-    fsync_dir(path.parent or Path("."))
-
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def open_regular(path):
-    """`path` opened for binary reading, refusing anything but a regular file with a
-    FormatError: a FIFO would block for ever, a device might never end. The check is
-    on the opened descriptor (O_NONBLOCK lets a FIFO open without a writer)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
-            raise FormatError(f"{path}: {kind}, not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def fsync_dir(path) -> None:
-    """Make renames inside directory `path` durable (best effort: some filesystems refuse)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: cannot read: {e}") from None
+    if data.size != h["file_size"]:
+        raise FormatError(f"{path}: the file changed while it was opened")
+    views = {}
+    for s in h["sections"]:
+        raw = data[s["offset"]: s["offset"] + s["length"]]
+        if (verify or s["name"] != "payload") and crc32c(raw) != s["crc32c"]:
+            raise FormatError(f"{path}: section {s['name']} checksum mismatch (corrupt file)")
+        views[s["name"]] = raw
+    return h, views
 
 
 def read_header(path) -> dict:
@@ -276,47 +214,3 @@ def _check_header(h: dict, file_size: int, header_end: int) -> None:
         if off + length > file_size:
             raise FormatError(f"truncated: section {name} ends at byte {off + length}, "
                               f"the file has {file_size}")
-
-
-def load(path, mmap: bool = True, verify: bool = True) -> CompressedTable:
-    """Open an .ibp file. mmap=True maps it read-only instead of reading it into memory.
-
-    The header, the masks and the offsets index are always checked against their
-    CRC-32C and for consistency, so corrupt metadata raises FormatError instead of
-    crashing or decoding wrongly. verify=True also checks the payload's checksum (one
-    pass over the file); with verify=False a corrupt payload is caught only where its
-    structure breaks (FormatError when a row is decoded) and may otherwise decode to
-    wrong values.
-    """
-    path = Path(path)
-    h = read_header(path)
-    try:
-        with open_regular(path) as f:
-            data = np.memmap(f, dtype=np.uint8, mode="r") if mmap else np.fromfile(f, dtype=np.uint8)
-    except FormatError:
-        raise
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{path}: cannot read: {e}") from None
-    if data.size != h["file_size"]:
-        raise FormatError(f"{path}: the file changed while it was opened")
-    dtype = dtype_from_name(h["dtype"])
-    n, d = h["shape"]
-    w = h["word_bits"]
-    rel_dtype = np.uint16 if lib.ibp_rel_bytes(d * dtype.itemsize) == 2 else np.uint32
-    views = {}
-    for s in h["sections"]:
-        raw = data[s["offset"]: s["offset"] + s["length"]]
-        if (verify or s["name"] != "payload") and crc32c(raw) != s["crc32c"]:
-            raise FormatError(f"{path}: section {s['name']} checksum mismatch (corrupt file)")
-        views[s["name"]] = raw
-    k = h["clusters"]
-    wd = _word_dtype(w)
-    try:
-        return CompressedTable(
-            shape=(n, d), dtype=dtype, word_bits=w,
-            masks=views["masks"].view(wd).reshape(k, -1).astype(np.uint64),
-            bitvals=views["bitvals"].view(wd).reshape(k, -1).astype(np.uint64),
-            block_base=views["block_base"].view(np.uint64), rel=views["rel"].view(rel_dtype),
-            payload=views["payload"], payload_bytes=h["payload_bytes"], validate=True)
-    except FormatError as e:
-        raise FormatError(f"{path}: {e}") from None

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _native
+from . import _native, io
 from ._native import ffi, lib
-from .dtypes import LOOKUP_DTYPES, dtype_name, rows_to_tensor
+from .dtypes import LOOKUP_DTYPES, dtype_from_name, dtype_name, rows_to_tensor
 from .errors import FormatError
 
 _MODES = {"sum": 0, "mean": 1}
@@ -227,25 +227,36 @@ class CompressedTable(TableReads):
         return (f"CompressedTable(shape={self._shape}, dtype={dtype_name(self._dtype)}, "
                 f"word_bits={self._word_bits}, clusters={self.clusters}, ratio={self.ratio:.3f})")
 
-    def to(self, device, placement: str = "host"):
-        """This table on `device`: itself for "cpu"; for a CUDA device an
-        ibp_embed.cuda.CudaTable (rows decoded on the GPU; placement="host" keeps the
-        payload in pinned host memory read over PCIe, "device" copies it to GPU memory).
-        Raises ibp_embed.cuda.NoCudaDeviceError ("no CUDA device: ...") when there is none."""
-        dev = torch.device(device)
-        if dev.type == "cpu":
-            return self
-        if dev.type == "cuda":
-            from .cuda import CudaTable
-
-            return CudaTable(self, dev, placement=placement)
-        raise ValueError(f"a CompressedTable can be placed on the CPU or a CUDA device, not {dev}")
-
     def save(self, path) -> None:
         """Write the table to an .ibp file atomically (see :func:`ibp_embed.load`)."""
-        from .io import save
+        io.save(self, path)
 
-        save(self, path)
+
+def load(path, mmap: bool = True, verify: bool = True) -> CompressedTable:
+    """Open an .ibp file. mmap=True maps it read-only instead of reading it into memory.
+
+    The header, the masks and the offsets index are always checked against their
+    CRC-32C and for consistency, so corrupt metadata raises FormatError instead of
+    crashing or decoding wrongly. verify=True also checks the payload's checksum (one
+    pass over the file); with verify=False a corrupt payload is caught only where its
+    structure breaks (FormatError when a row is decoded) and may otherwise decode to
+    wrong values.
+    """
+    h, views = io.read_sections(path, mmap=mmap, verify=verify)
+    dtype = dtype_from_name(h["dtype"])
+    n, d = h["shape"]
+    w, k = h["word_bits"], h["clusters"]
+    rel_dtype = np.uint16 if lib.ibp_rel_bytes(d * dtype.itemsize) == 2 else np.uint32
+    wd = {16: np.uint16, 32: np.uint32, 64: np.uint64}[w]
+    try:
+        return CompressedTable(
+            shape=(n, d), dtype=dtype, word_bits=w,
+            masks=views["masks"].view(wd).reshape(k, -1).astype(np.uint64),
+            bitvals=views["bitvals"].view(wd).reshape(k, -1).astype(np.uint64),
+            block_base=views["block_base"].view(np.uint64), rel=views["rel"].view(rel_dtype),
+            payload=views["payload"], payload_bytes=h["payload_bytes"], validate=True)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

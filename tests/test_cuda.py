@@ -258,7 +258,7 @@ def test_placing_a_table_without_a_device_raises_no_cuda_device(cuda_lib):
     with pytest.raises(cuda.NoCudaDeviceError, match=r"^no CUDA device"):
         cuda.CudaTable(t, "cuda")
     with pytest.raises(cuda.NoCudaDeviceError, match=r"^no CUDA device"):
-        t.to("cuda:0", placement="device")
+        cuda.CudaTable(t, "cuda:0", placement="device")
     with pytest.raises(ValueError, match="CUDA device"):
         cuda.CudaTable(t, "cpu")
 

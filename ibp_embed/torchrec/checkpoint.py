@@ -29,7 +29,8 @@ from typing import Any, Dict
 import numpy as np
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
-from ..io import atomic_file, load as load_table, new_file_mode, open_regular
+from ..files import atomic_file, new_file_mode, open_regular
+from ..table import load as load_table
 from ..optim import SparseOptimizer, make_optimizer
 
 MANIFEST_NAME = "manifest.json"
