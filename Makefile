@@ -73,6 +73,9 @@ demo: all
 
 test: all
 	$(PY) -m pytest -q tests
+	# TorchRec's own tests with the IBP module substituted (tests/torchrec_suite/conftest.py)
+	PYTHONPATH=tests/torchrec_suite/shim $(PY) -m pytest -q -c tests/torchrec_suite/pytest.ini \
+		--rootdir tests/torchrec_suite tests/torchrec_suite
 
 bench: all
 	$(PY) -m benchmarks.lookup $(ARGS)

@@ -26,7 +26,7 @@ import torch
 from . import _native
 from ._native import ffi, lib
 from .codec import _Codebook, compress, index_nbytes, split_offsets
-from .dtypes import as_rows
+from .dtypes import LOOKUP_DTYPES, as_rows
 from .optim import SparseOptimizer
 from .table import _MODES, CompressedTable, TableReads, _as_index_array, _check_range
 
@@ -146,13 +146,14 @@ class UpdatableTable(TableReads):
     def apply_gradients(self, optimizer: SparseOptimizer, state: dict, indices: np.ndarray,
                         offsets: np.ndarray, batch: int, grad: torch.Tensor, grad_cols,
                         weights: np.ndarray | None = None, mode: str = "sum") -> None:
-        """Backward of pooled lookups into this (fp32) table fused with `optimizer`'s
-        step, as FBGEMM's TBE does it: feature f (of len(grad_cols)) pooled bags
+        """Backward of pooled lookups into this table (float32, or float16 / bfloat16
+        updated in float32 and rounded to nearest even) fused with `optimizer`'s step,
+        as FBGEMM's TBE does it: feature f (of len(grad_cols)) pooled bags
         offsets[f * batch + b .. + 1] of `indices` (int64, offsets start at 0), and
         its output gradient sits at columns grad_cols[f]: of grad [batch, *] (fp32).
         `state` is optimizer.init_state's tensors for this table, updated in place."""
-        if self._dtype != torch.float32:
-            raise TypeError(f"training needs a float32 table, this one holds {self._dtype}")
+        if self._dtype not in LOOKUP_DTYPES:
+            raise TypeError(f"training needs a float32, float16 or bfloat16 table, not {self._dtype}")
         if mode not in _MODES:
             raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
         grad = grad.detach().to("cpu", torch.float32).contiguous()
@@ -172,7 +173,7 @@ class UpdatableTable(TableReads):
         opt = optimizer.c_struct(state)
         with self._write_lock:
             _native.check(lib.ibp_store_backward(
-                self._store, opt, cols.size, batch,
+                self._store, opt, LOOKUP_DTYPES[self._dtype], cols.size, batch,
                 _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL,
                 _native.ptr(off, "const int64_t *"),
                 ffi.NULL if w is None else _native.ptr(w, "const float *"), _MODES[mode],

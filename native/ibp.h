@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 1
-#define IBP_ABI_VERSION 2
+#define IBP_ABI_VERSION 3
 
 /* Return codes. */
 #define IBP_OK 0
@@ -186,14 +186,15 @@ typedef struct ibp_sparse_optim {
     float *momentum1;          /* NULL for SGD */
 } ibp_sparse_optim;
 
-/* Backward of pooled lookups into a float32 table fused with the optimizer step,
- * as FBGEMM's CPU TBE does it: n_features features read the table; feature f's
+/* Backward of pooled lookups fused with the optimizer step, as FBGEMM's CPU TBE
+ * does it, for a table of dtype IBP_DTYPE_F32 / F16 / BF16 (16-bit rows are updated
+ * in float32 and rounded to nearest even): n_features features read the table; feature f's
  * bags are offsets[f * batch + b .. + 1] into indices (offsets[0] = 0);
  * grad (batch rows of grad_stride floats) holds feature f's output gradient at
  * column grad_col[f]. Each distinct row gets the sum of its occurrences'
  * gradients (in occurrence order; scaled by the per-sample weight, or 1/L for
  * MEAN bags without weights), then one optimizer step; the row is re-encoded. */
-int ibp_store_backward(ibp_store *s, const ibp_sparse_optim *opt, uint32_t n_features,
+int ibp_store_backward(ibp_store *s, const ibp_sparse_optim *opt, int dtype, uint32_t n_features,
                        uint64_t batch, const int64_t *indices, const int64_t *offsets,
                        const float *weights, int mode, const float *grad,
                        uint64_t grad_stride, const uint64_t *grad_col);

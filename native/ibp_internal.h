@@ -10,7 +10,8 @@
 typedef struct ibp_train_job {
     const ibp_sparse_optim *opt;
     uint32_t dim;
-    int shared;              /* the table is read by several features (FBGEMM's generic kernel) */
+    int generic;             /* FBGEMM's generic kernel, not its JIT fast path (the table is read
+                              * by several features, or is not float32) */
     const int64_t *ids;      /* [n] distinct rows, increasing */
     const uint64_t *seg;     /* [n + 1] occurrences of row u: occ[seg[u] .. seg[u + 1]) */
     const uint32_t *occ;     /* sorted occurrences: position in indices */
@@ -37,6 +38,9 @@ typedef struct ibp_kernels {
                   int mode, float *out);
     /* Optimizer step of n distinct rows (ibp_optim.inc). */
     int (*train_rows)(const ibp_train_job *job, uint64_t first, uint64_t last);
+    /* n elements of a float16 / bfloat16 row buffer to float32 (to_float) or back,
+     * rounding to nearest even. */
+    void (*convert)(int dtype, int to_float, const void *src, uint64_t n, void *dst);
 } ibp_kernels;
 
 extern const ibp_kernels ibp_kernels_generic;

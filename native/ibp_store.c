@@ -586,11 +586,13 @@ static int sort_by_key(const int64_t *key, uint64_t n, uint64_t key_max, uint32_
     return IBP_OK;
 }
 
-static int check_backward(const store *s, const ibp_sparse_optim *o, uint32_t n_features,
+static int check_backward(const store *s, const ibp_sparse_optim *o, int dtype, uint32_t n_features,
                           uint64_t batch, const int64_t *indices, const int64_t *offsets,
                           int mode, const float *grad, const uint64_t *grad_col)
 {
-    if (!o || !offsets || (n_features && !grad_col) || s->view.cb.row_bytes % 4)
+    if (dtype != IBP_DTYPE_F32 && dtype != IBP_DTYPE_F16 && dtype != IBP_DTYPE_BF16)
+        return IBP_E_ARG;
+    if (!o || !offsets || (n_features && !grad_col) || s->view.cb.row_bytes % (dtype == IBP_DTYPE_F32 ? 4 : 2))
         return IBP_E_ARG;
     if (o->kind != IBP_OPT_SGD && o->kind != IBP_OPT_ADAGRAD && o->kind != IBP_OPT_ROWWISE_ADAGRAD)
         return IBP_E_ARG;
@@ -646,7 +648,7 @@ static int run_train_rows(const ibp_train_job *job, uint64_t n_rows)
     return err;
 }
 
-int ibp_store_backward(ibp_store *st, const ibp_sparse_optim *opt, uint32_t n_features,
+int ibp_store_backward(ibp_store *st, const ibp_sparse_optim *opt, int dtype, uint32_t n_features,
                        uint64_t batch, const int64_t *indices, const int64_t *offsets,
                        const float *weights, int mode, const float *grad,
                        uint64_t grad_stride, const uint64_t *grad_col)
@@ -654,7 +656,7 @@ int ibp_store_backward(ibp_store *st, const ibp_sparse_optim *opt, uint32_t n_fe
     if (!st)
         return IBP_E_ARG;
     pthread_mutex_lock(&st->write_mutex);
-    int rc = check_backward(&st->d, opt, n_features, batch, indices, offsets, mode, grad, grad_col);
+    int rc = check_backward(&st->d, opt, dtype, n_features, batch, indices, offsets, mode, grad, grad_col);
     const uint64_t bags = (uint64_t)n_features * batch;
     if (rc != IBP_OK || !offsets[bags]) {
         pthread_mutex_unlock(&st->write_mutex);
@@ -666,7 +668,8 @@ int ibp_store_backward(ibp_store *st, const ibp_sparse_optim *opt, uint32_t n_fe
     float *occ_scale = scaled ? malloc(n * 4) : NULL;
     uint64_t *seg = malloc((n + 1) * 8);
     int64_t *ids = malloc(n * 8);
-    float *rows = NULL;
+    uint8_t *rows = NULL;
+    float *wide = NULL; /* float32 copies of 16-bit rows */
     if (!occ_bag || !occ || (scaled && !occ_scale) || !seg || !ids) {
         rc = IBP_E_NOMEM;
         goto done;
@@ -684,19 +687,30 @@ int ibp_store_backward(ibp_store *st, const ibp_sparse_optim *opt, uint32_t n_fe
         }
     }
     rc = sort_by_key(indices, n, st->d.view.n_rows - 1, occ);
+    const uint32_t dim = st->d.view.cb.row_bytes / (dtype == IBP_DTYPE_F32 ? 4 : 2);
+    const ibp_kernels *k = ibp_active_kernels();
     uint64_t u_count = 0;
     if (rc == IBP_OK) {
         u_count = distinct_rows(indices, occ, n, ids, seg);
-        rows = malloc(u_count * (uint64_t)st->d.view.cb.row_bytes);
-        rc = rows ? ibp_store_decode(st, ids, u_count, (uint8_t *)rows) : IBP_E_NOMEM;
+        rows = malloc(u_count * (uint64_t)st->d.view.cb.row_bytes + 1);
+        rc = rows ? ibp_store_decode(st, ids, u_count, rows) : IBP_E_NOMEM;
+    }
+    if (rc == IBP_OK && dtype != IBP_DTYPE_F32) {
+        wide = malloc(u_count * (uint64_t)dim * 4 + 1);
+        if (wide)
+            k->convert(dtype, 1, rows, u_count * dim, wide);
+        else
+            rc = IBP_E_NOMEM;
     }
     if (rc == IBP_OK) {
-        ibp_train_job job = {opt, st->d.view.cb.row_bytes / 4, n_features > 1, ids, seg, occ,
-                             occ_bag, occ_scale, grad, grad_stride, grad_col, batch, rows};
+        ibp_train_job job = {opt, dim, n_features > 1 || dtype != IBP_DTYPE_F32, ids, seg, occ, occ_bag,
+                             occ_scale, grad, grad_stride, grad_col, batch, wide ? wide : (float *)(void *)rows};
         rc = run_train_rows(&job, u_count);
     }
+    if (rc == IBP_OK && wide)
+        k->convert(dtype, 0, wide, u_count * dim, rows);
     if (rc == IBP_OK)
-        rc = store_write_rows(st, ids, u_count, (const uint8_t *)rows);
+        rc = store_write_rows(st, ids, u_count, rows);
 done:
     pthread_mutex_unlock(&st->write_mutex);
     free(occ_bag);
@@ -705,5 +719,6 @@ done:
     free(seg);
     free(ids);
     free(rows);
+    free(wide);
     return rc;
 }

@@ -57,10 +57,10 @@ def one_thread():
     _native.set_num_threads(n)
 
 
-def initial_tables(seed=0):
+def initial_tables(seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     # normal(0, 0.01): most rows share exponent bits, so IBP really compresses them
-    return [torch.randn(n, d, generator=g) * 0.01 for _, n, d, _ in TABLES]
+    return [(torch.randn(n, d, generator=g) * 0.01).to(dtype) for _, n, d, _ in TABLES]
 
 
 def make_batches(seed, weighted):
@@ -90,7 +90,7 @@ FB_OPT = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
 FB_WD = {"l2": WeightDecayMode.L2, "decouple": WeightDecayMode.DECOUPLE}
 
 
-def train_fbgemm(opt_name, pooling, weighted, batches, wd=None):
+def train_fbgemm(opt_name, pooling, weighted, batches, wd=None, dtype=torch.float32):
     """FBGEMM's TBE on the same model. With weight decay every table gets an extra,
     always empty feature: FBGEMM's CPU fast path (tables read by one feature) drops
     weight decay, its generic path for shared tables applies it, and IBP applies it
@@ -107,9 +107,10 @@ def train_fbgemm(opt_name, pooling, weighted, batches, wd=None):
     tbe = SplitTBE([(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, n, d, _ in TABLES],
                    feature_table_map=feature_table_map, optimizer=FB_OPT[opt_name], learning_rate=LR, eps=EPS,
                    pooling_mode=PoolingMode.MEAN if pooling == "mean" else PoolingMode.SUM,
-                   weights_precision=fbgemm_training.SparseType.FP32, **kw)
+                   weights_precision=fbgemm_training.SparseType.FP16 if dtype == torch.float16
+                   else fbgemm_training.SparseType.FP32, **kw)
     with torch.no_grad():
-        for w, init in zip(tbe.split_embedding_weights(), initial_tables()):
+        for w, init in zip(tbe.split_embedding_weights(), initial_tables(dtype=dtype)):
             w.copy_(init)
     dims = [TABLES[t][2] for t in feature_table_map]
     cols = torch.cat([torch.arange(sum(dims[:f]), sum(dims[:f + 1])) for f in real])
@@ -122,7 +123,7 @@ def train_fbgemm(opt_name, pooling, weighted, batches, wd=None):
             full[real] = lengths.view(len(real), B)
             lengths = full.view(-1)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
-        pooled = tbe(values, offsets, weights)[:, cols]
+        pooled = tbe(values, offsets, weights)[:, cols].float()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(dense(pooled).squeeze(1), labels)
         dense_opt.zero_grad()
         loss.backward()
@@ -137,13 +138,14 @@ def train_fbgemm(opt_name, pooling, weighted, batches, wd=None):
     return torch.stack(losses), tables, states
 
 
-def train_ibp(optimizer, pooling, weighted, batches):
+def train_ibp(optimizer, pooling, weighted, batches, dtype=torch.float32):
     pool = PoolingType.MEAN if pooling == "mean" else PoolingType.SUM
-    configs = [EmbeddingBagConfig(name=name, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=pool)
-               for name, n, d, fs in TABLES]
+    data_type = {torch.float32: DataType.FP32, torch.float16: DataType.FP16, torch.bfloat16: DataType.BF16}[dtype]
+    configs = [EmbeddingBagConfig(name=name, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=pool,
+                                  data_type=data_type) for name, n, d, fs in TABLES]
     ebc = IBPEmbeddingBagCollection(configs, is_weighted=weighted, device="meta", optimizer=optimizer)
     ebc.load_state_dict({f"embedding_bags.{name}.weight": w
-                         for (name, *_), w in zip(TABLES, initial_tables())}, strict=False)
+                         for (name, *_), w in zip(TABLES, initial_tables(dtype=dtype))}, strict=False)
     total_dim = sum(d for _, _, d, fs in TABLES for _ in fs)
     dense = head(total_dim)
     dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
@@ -211,6 +213,51 @@ def test_200_steps_match_fbgemm_bit_exact(opt_name, pooling, weighted, wd):
     assert stats["raw_bytes"] == sum(n * d * 4 for _, n, d, _ in TABLES)
     assert stats["total_bytes"] == stats["compressed_bytes"] + expected_state
     assert 0 < stats["live_bytes"] <= stats["compressed_bytes"]
+
+
+def test_fp16_rowwise_adagrad_matches_fbgemm_bit_exact():
+    """FP16 tables: rows updated in fp32, rounded to nearest even; FBGEMM's CPU row-wise
+    Adagrad does the same (its SGD and Adagrad round FP16 updates stochastically)."""
+    batches = make_batches(seed=9, weighted=True)
+    fb_losses, fb_tables, fb_states = train_fbgemm("rowwise_adagrad", "sum", True, batches, dtype=torch.float16)
+    ibp_losses, ibp_tables, ibp_states, _ = train_ibp(ibp_optimizer("rowwise_adagrad", None), "sum", True, batches,
+                                                      dtype=torch.float16)
+    assert not torch.equal(fb_tables[1], initial_tables(dtype=torch.float16)[1])
+    assert torch.equal(ibp_losses, fb_losses)
+    for a, b in zip(ibp_tables, fb_tables):
+        assert a.dtype == torch.float16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(ibp_states, fb_states):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_updates_round_to_nearest_on_every_isa(dtype):
+    """One SGD step on rows with extreme values (subnormals, near the largest finite value,
+    signed zeros): the result is the fp32 update rounded to nearest even, on every ISA."""
+    import ibp_embed
+
+    g = torch.Generator().manual_seed(4)
+    n, d = 64, 16
+    base = torch.randn(n, d, generator=g) * 1e-3
+    base[0, :4] = torch.tensor([6e-8, -6e-8, 0.0, -0.0])          # fp16 subnormals, zeros
+    base[1, :4] = torch.tensor([65000.0, -65000.0, 3e38, 1e-40])   # near and past fp16's range
+    w = base.to(dtype)
+    grad = torch.randn(n, d, generator=g)
+    grad[1, :2] = torch.tensor([-1e6, 1e6])                        # overflow fp16 to +-inf
+    lr = 0.125
+    expected = (w.float().double() - lr * grad.double()).float().to(dtype)  # torch rounds to nearest even
+    isas = [i for i in (_native.lib.IBP_ISA_GENERIC, _native.lib.IBP_ISA_V3, _native.lib.IBP_ISA_AVX512)
+            if _native.lib.ibp_set_isa(i) == _native.lib.IBP_OK]
+    try:
+        for isa in isas:
+            _native.lib.ibp_set_isa(isa)
+            t = UpdatableTable(ibp_embed.compress(w), repack_drift=None)
+            ids = np.arange(n, dtype=np.int64)
+            t.apply_gradients(SGD(lr), {}, ids, np.arange(n + 1, dtype=np.int64), n, grad, [0])
+            got = t.decompress()
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), isa
+    finally:
+        _native.lib.ibp_set_isa(max(isas))
 
 
 def test_weighted_mean_gradient_is_w_over_l():
@@ -368,10 +415,6 @@ def test_memory_figures_and_trainable_checks():
     assert inference.memory_stats()["optimizer_state_bytes"] == 0 and not inference.trainable
     out = inference(_kjt(0)).values()
     assert not out.requires_grad  # the inference path is unchanged
-    with pytest.raises(ValueError, match="FP32"):
-        IBPEmbeddingBagCollection([EmbeddingBagConfig(name="h", num_embeddings=8, embedding_dim=4,
-                                                      feature_names=["h"], data_type=DataType.FP16)],
-                                  optimizer=SGD(0.1))
     with pytest.raises(TypeError, match="SparseOptimizer"):
         _tiny(torch.optim.SGD)
     out = ebc(_kjt(1)).values().sum()

@@ -50,10 +50,12 @@ from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingShard
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.fused import EmptyFusedOptimizer
 
 from ..store import memory_stats
 from .kernel import IBPBatchedEmbeddingBag
 from .lookup import CUDA_MISSING, check_codec_options, check_dedup
+from .write_back import WriteBackTensor
 
 __all__ = [
     "IBP_COMPUTE_KERNEL",
@@ -172,6 +174,13 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._ibp_table_names = [
             c.name for c in self._embedding_bag_configs
             if is_ibp(self.module_sharding_plan[c.name].compute_kernel)]
+        for name in self._ibp_table_names:
+            # An empty, fused `weight`, as TorchRec registers for a table a rank holds no
+            # shard of: state_dict keys stay parameters (the values come from the hook).
+            if "weight" not in self.embedding_bags[name]._parameters:
+                weight = nn.Parameter(torch.empty(0, device=device))
+                weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+                self.embedding_bags[name].register_parameter("weight", weight)
         self._init_ibp_weights(module)
         self._register_state_dict_hook(IBPShardedEmbeddingBagCollection._ibp_state_dict_hook)
         self.register_load_state_dict_pre_hook(IBPShardedEmbeddingBagCollection._ibp_load_hook)
@@ -230,6 +239,8 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._init_ibp_weights(None)
 
     def _init_ibp_weights(self, module: Optional[nn.Module]) -> None:
+        if self._device is not None and self._device.type == "meta":
+            return  # no storage on the meta device: weights come with load_state_dict
         by_name = {c.name: c for c in self._embedding_bag_configs}
         for name, shards in self._ibp_shards.items():
             src = None
@@ -259,7 +270,7 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             spec = module.module_sharding_plan[name].sharding_spec
             md = spec.build_metadata(tensor_sizes=torch.Size((config.num_embeddings, config.embedding_dim)),
                                      tensor_properties=TensorProperties(dtype=dtype))
-            local = [Shard(tensor=kernel.shard_weight(i), metadata=smd)
+            local = [Shard(tensor=_write_back(kernel.shard_weight(i), kernel, i), metadata=smd)
                      for kernel, i, smd, _ in module._ibp_shards.get(name, [])]
             destination[f"{prefix}embedding_bags.{name}.weight"] = \
                 ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -274,7 +285,8 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 if strict:
                     missing_keys.append(key)
                 continue
-            value = state_dict.pop(key)
+            value = state_dict[key]
+            state_dict[key] = module.embedding_bags[name].weight  # the empty placeholder loads itself
             config = module._table_name_to_config[name]
             full = (config.num_embeddings, config.embedding_dim)
             for kernel, i, md, _ in module._ibp_shards.get(name, []):
@@ -303,6 +315,11 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 if local.device.type == "meta":
                     raise RuntimeError(f"{key}: the checkpoint holds a meta tensor (no values)")
                 kernel.load_shard(i, local)
+
+
+def _write_back(weight: torch.Tensor, kernel: IBPBatchedEmbeddingBag, i: int) -> torch.Tensor:
+    """A decoded shard whose in-place changes re-compress shard i of kernel."""
+    return weight if weight.device.type == "meta" else WriteBackTensor(weight, kernel, "load_shard", i)
 
 
 class IBPEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):

@@ -120,8 +120,8 @@ class IBPFusedOptimizer(FusedOptimizer):
             md = copy.deepcopy(t0.global_metadata)
             md.tensor_properties.dtype = shards[0][2]
             weight = ShardedTensorBase._init_from_local_shards_and_global_metadata(
-                [Shard(torch.zeros((), dtype=d).expand(t.local_rows, t.local_cols), t.local_metadata)
-                 for t, _, d in shards], md)
+                [Shard(torch.zeros((), dtype=d, device=t.local_metadata.placement.device()).expand(
+                    t.local_rows, t.local_cols), t.local_metadata) for t, _, d in shards], md)
             params[f"{name}.weight"] = weight
             state[weight] = {}
             column_sharded = t0.local_cols != t0.embedding_dim

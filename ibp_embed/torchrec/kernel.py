@@ -69,7 +69,9 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         self.optimizer = optimizer_from_fused_params(config.fused_params)
         self._tables: List[Optional[CompressedTable]] = [None] * len(config.embedding_tables)
         self._codec_options: Dict[str, Any] = {}
-        self._states = [self.optimizer.init_state(t.local_rows, t.local_cols) for t in config.embedding_tables]
+        self._states = [{k: v.to(t.local_metadata.placement.device()) for k, v in
+                         self.optimizer.init_state(t.local_rows, t.local_cols).items()}
+                        for t in config.embedding_tables]
         self._optim = IBPFusedOptimizer(config, self.optimizer, self._states, self._dtypes, pg)
 
     @property
@@ -100,7 +102,10 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         self._tables[i] = table
 
     def shard_weight(self, i: int) -> torch.Tensor:
-        """Local shard i decompressed (for checkpoints)."""
+        """Local shard i decompressed (for checkpoints); a meta tensor on the meta device."""
+        t = self._config.embedding_tables[i]
+        if t.local_metadata.placement.device().type == "meta":
+            return torch.empty((t.local_rows, t.local_cols), dtype=self._dtypes[i], device="meta")
         return self._table(i).decompress()
 
     def compressed_tables(self) -> List[Optional[CompressedTable]]:
@@ -116,8 +121,8 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         return UpdatableTable(table, repack_drift=DEFAULT_REPACK_DRIFT, codec_options=self._codec_options)
 
     def _make_trainable(self) -> None:
-        for i, dtype in enumerate(self._dtypes):
-            if dtype == torch.float32 and not isinstance(self._table(i), UpdatableTable):
+        for i in range(len(self._tables)):
+            if not isinstance(self._table(i), UpdatableTable):
                 self._tables[i] = self._updatable(self._tables[i])
 
     def _slots(self) -> List[Slot]:
@@ -151,10 +156,6 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             by_table.setdefault(i, []).append((ids, bag_off, ws, col))
             col += s.dim
         for i, items in by_table.items():
-            if self._dtypes[i] != torch.float32:
-                raise ValueError(f"IBP kernel: table {self._config.embedding_tables[i].name!r} holds "
-                                 f"{self._dtypes[i]}; IBP tables train in FP32 only (FBGEMM rounds FP16 "
-                                 f"updates stochastically: there is nothing exact to match)")
             indices, offsets, weights, cols = concat_features(items)
             self._tables[i].apply_gradients(self.optimizer, self._states[i], indices, offsets, b, grad_out,
                                             cols, weights, self._mode)

@@ -18,8 +18,8 @@ TorchRec's key ``embedding_bags.<table>.weight``; ``load_state_dict`` re-compres
 ``save_compressed(dir)`` / ``load_compressed(dir)`` keep the compressed form (one .ibp
 file per table plus ``manifest.json``).
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: TorchRec's schema checks and TorchScript read
+# this module's annotations as objects, as they read EmbeddingBagCollection's.
 import dataclasses
 from typing import Any, Dict, List, Optional, Union
 
@@ -55,6 +55,7 @@ from .lookup import (
     table_dtype,
     training_lookup,
 )
+from .write_back import WriteBackTensor
 
 __all__ = [
     "IBPEmbeddingBag",
@@ -126,9 +127,6 @@ class IBPEmbeddingBag(nn.Module):
         if not isinstance(optimizer, SparseOptimizer):
             raise TypeError(f"optimizer must be an ibp_embed.optim.SparseOptimizer (SGD, Adagrad, "
                             f"RowWiseAdagrad), got {type(optimizer).__name__}")
-        if self.dtype != torch.float32:
-            raise ValueError(f"table {self.name!r}: training needs an FP32 table, this one holds {self.dtype} "
-                             f"(FBGEMM rounds fp16 updates stochastically; there is nothing exact to match)")
         self.optimizer = optimizer
         self._repack_drift = repack_drift
         self.reset_state()
@@ -235,9 +233,12 @@ class IBPEmbeddingBag(nn.Module):
 
     # state_dict integration: a virtual "weight" entry (+ the optimizer state, when trainable).
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight
+        weight = self.weight
+        if weight.device.type != "meta":  # in-place changes of it re-compress the table
+            weight = WriteBackTensor(weight, self, "load_weight")
+        destination[prefix + "weight"] = weight
         for k, v in self.optimizer_state.items():
-            destination[prefix + k] = v.detach().clone()
+            destination[prefix + k] = v.detach()  # the live state, as torch's state_dicts
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -317,7 +318,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         optimizer: None (default: inference, immutable CompressedTables) or an
             :class:`ibp_embed.optim.SparseOptimizer` (``SGD(lr)``, ``Adagrad(lr, eps)``,
             ``RowWiseAdagrad(lr, eps, weight_decay, weight_decay_mode)``): training mode. Every table is then an
-            :class:`ibp_embed.store.UpdatableTable` (FP32 only), forward returns pooled
+            :class:`ibp_embed.store.UpdatableTable`, forward returns pooled
             outputs that require grad whenever grad mode is on, and backward applies the
             optimizer to the rows the batch touched, fused into backward like FBGEMM's
             TBE (EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD arithmetic, see
