@@ -12,9 +12,18 @@ in place (cudaHostRegister) and read by the kernels zero-copy over PCIe
 (``placement="host"``, the default), or copied to device memory
 (``placement="device"``). ``gather`` and ``lookup`` take and return CUDA tensors
 and run on the current torch stream.
+
+Host emulation, selected explicitly (``IBP_CUDA_EMULATE=1`` in the environment, or
+``with ibp_embed.cuda.emulation():``): :func:`place` then returns an
+:class:`EmulatedCudaTable`, which has CudaTable's interface but computes every result
+with the kernels' per-lane code on the host (native/cuda/emulate.cu), CPU tensors
+standing for device ones (:func:`storage_device`). Everything above the device
+(TorchRec modules and kernels on "cuda", caches, KeyedTensor layout) then runs and is
+tested on machines without a GPU; only the kernels' scheduling differs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -54,6 +63,37 @@ ffi.cdef(_native.header_cdef(_HEADER))
 _lock = threading.Lock()
 _lib = None
 _lib_path: Path | None = None
+_emulate = os.environ.get("IBP_CUDA_EMULATE", "") == "1"
+
+
+def emulating() -> bool:
+    """Whether CUDA tables are emulated on the host (see the module docstring)."""
+    return _emulate
+
+
+@contextlib.contextmanager
+def emulation(enabled: bool = True):
+    """Emulate CUDA tables on the host (or not) inside the block."""
+    global _emulate
+    old, _emulate = _emulate, bool(enabled)
+    try:
+        yield
+    finally:
+        _emulate = old
+
+
+def storage_device(device) -> torch.device:
+    """Where the tensors of CUDA device `device` live: the device itself, or the CPU while
+    emulating."""
+    dev = torch.device(device)
+    return torch.device("cpu") if dev.type == "cuda" and _emulate else dev
+
+
+def place(table, device="cuda", placement: str = "host"):
+    """`table` placed on CUDA device `device`: a CudaTable, or an EmulatedCudaTable while
+    emulating. Raises NoCudaDeviceError ("no CUDA device: ...") where there is none."""
+    cls = EmulatedCudaTable if _emulate else CudaTable
+    return cls(table, device, placement)
 
 
 def library_path() -> Path:
@@ -143,7 +183,43 @@ def _stream(device: torch.device):
     return ffi.cast("void *", torch.cuda.current_stream(device).cuda_stream)
 
 
-class CudaTable:
+class _Placed:
+    """What CudaTable and EmulatedCudaTable share: the host table they were placed from."""
+
+    def __init__(self, table, device, placement: str) -> None:
+        if not isinstance(table, CompressedTable):
+            raise TypeError(f"expected a CompressedTable, not {type(table).__name__}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {sorted(PLACEMENTS)}, not {placement!r}")
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"a CUDA table needs a CUDA device, not {dev}")
+        self._table, self._placement = table, placement
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._table.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._table.dtype
+
+    @property
+    def table(self):
+        """The host CompressedTable this was placed from."""
+        return self._table
+
+    def __len__(self) -> int:
+        return self._table.shape[0]
+
+    def _check_lookup(self, mode: str) -> None:
+        if self.dtype not in LOOKUP_DTYPES:
+            raise TypeError(f"pooled lookup needs a float32, float16 or bfloat16 table, not {self.dtype}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
+
+
+class CudaTable(_Placed):
     """A CompressedTable placed on a CUDA device (see the module docstring).
 
     The CompressedTable must stay unchanged while this exists (it is kept
@@ -154,20 +230,13 @@ class CudaTable:
     """
 
     def __init__(self, table, device="cuda", placement: str = "host"):
-        if not isinstance(table, CompressedTable):
-            raise TypeError(f"expected a CompressedTable, not {type(table).__name__}")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {sorted(PLACEMENTS)}, not {placement!r}")
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            raise ValueError(f"CudaTable needs a CUDA device, not {dev}")
+        super().__init__(table, device, placement)
         require_device()
+        dev = torch.device(device)
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self._lib = load_library()
-        self._table = table
         self._device = dev
-        self._placement = placement
         out = ffi.new("ibp_cuda_table **")
         check(self._lib.ibp_cuda_table_create(table._c, dev.index, PLACEMENTS[placement], out),
               f"placing the table on {dev}", self._lib)
@@ -175,24 +244,8 @@ class CudaTable:
 
     # ---- description ----
     @property
-    def shape(self) -> tuple[int, int]:
-        return self._table.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._table.dtype
-
-    @property
     def device(self) -> torch.device:
         return self._device
-
-    @property
-    def table(self):
-        """The host CompressedTable this was placed from."""
-        return self._table
-
-    def __len__(self) -> int:
-        return self._table.shape[0]
 
     def info(self) -> dict:
         """Placement and kernel geometry: payload mode, device/pinned bytes, staging."""
@@ -281,10 +334,7 @@ class CudaTable:
         dedup: sort and deduplicate the batch's ids on the device and decode each
         distinct row once (else each bag's rows are decoded as they come).
         """
-        if self.dtype not in LOOKUP_DTYPES:
-            raise TypeError(f"pooled lookup needs a float32, float16 or bfloat16 table, not {self.dtype}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
+        self._check_lookup(mode)
         idx = self._index_tensor(indices, "indices")
         if idx.dim() != 1:
             raise ValueError("indices must be 1-D")
@@ -323,6 +373,58 @@ class CudaTable:
             _raise_range(idx, self.shape[0])
         check(rc, "lookup", lib)
         return out
+
+
+class EmulatedCudaTable(_Placed):
+    """CudaTable's interface on the host: results come from the kernels' per-lane code
+    (emulate_gather / emulate_lookup), as CPU tensors standing for device ones."""
+
+    def __init__(self, table, device="cuda", placement: str = "host"):
+        super().__init__(table, device, placement)
+        load_library()  # the emulation lives in libibp_cuda
+        self.target = torch.device("cuda", torch.device(device).index or 0)
+
+    @property
+    def device(self) -> torch.device:
+        """Where its results live: the CPU (standing for self.target)."""
+        return torch.device("cpu")
+
+    def info(self) -> dict:
+        return {"device": self.target.index, "placement": self._placement, "emulated": True}
+
+    def __repr__(self) -> str:
+        return f"EmulatedCudaTable({self._table!r}, device={self.target}, placement={self._placement!r})"
+
+    def close(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass  # errors are raised by every call
+
+    @staticmethod
+    def _index_tensor(x, name: str) -> torch.Tensor:
+        x = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be integers, got {x.dtype}")
+        return x.to("cpu", torch.int64)
+
+    def gather(self, indices, check: bool = True) -> torch.Tensor:
+        idx = self._index_tensor(indices, "indices")
+        flat = idx.reshape(-1)
+        _raise_range(flat, self.shape[0])
+        return emulate_gather(self._table, flat.numpy()).reshape(*idx.shape, self.shape[1])
+
+    def lookup(self, indices, offsets, per_sample_weights=None, mode: str = "sum", *,
+               dedup: bool = True, check: bool = True) -> torch.Tensor:
+        self._check_lookup(mode)
+        idx, off = self._index_tensor(indices, "indices"), self._index_tensor(offsets, "offsets")
+        if idx.dim() != 1 or off.dim() != 1 or off.numel() < 1:
+            raise ValueError("indices must be 1-D and offsets 1-D with B + 1 entries")
+        _raise_range(idx, self.shape[0])
+        w = None if per_sample_weights is None else per_sample_weights.detach().to("cpu", torch.float32)
+        if w is not None and w.numel() != idx.numel():
+            raise ValueError(f"per_sample_weights has {w.numel()} entries, indices {idx.numel()}")
+        return emulate_lookup(self._table, idx.numpy(), off.numpy(), None if w is None else w.numpy(), mode, dedup)
 
 
 def _raise_range(idx: torch.Tensor, n_rows: int) -> None:

@@ -397,8 +397,11 @@ def test_bad_ids_dtype(small):
 
 def test_devices():
     tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"])]
-    with pytest.raises(NotImplementedError, match="CUDA"):
-        IBPEmbeddingBagCollection(tables, device="cuda")
+    if not torch.cuda.is_available():  # the cuda path itself: tests/test_torchrec_cuda.py
+        from ibp_embed import cuda
+
+        with cuda.emulation(False), pytest.raises(cuda.NoCudaDeviceError, match="no CUDA device"):
+            IBPEmbeddingBagCollection(tables, device="cuda")
     meta = IBPEmbeddingBagCollection(tables, device=torch.device("meta"))
     assert meta.device.type == "meta" and meta.tables()["t"] is None
     with pytest.raises(RuntimeError, match="meta device"):

@@ -22,9 +22,11 @@ TorchRec's table-wise, column-wise, table-column-wise, row-wise and table-row-wi
 shardings, whose create_lookup() returns IBPGroupedPooledEmbeddingsLookup, whose
 _create_embedding_kernel() builds the IBP kernel (kernel.py) for customized tables.
 
-Supported on CPU (gloo): table-wise, column-wise, table-column-wise, row-wise and
-table-row-wise. Not supported: data-parallel (keep such tables on FBGEMM), grid
-sharding, VBE inputs, CUDA devices.
+Supported on CPU (gloo) and CUDA: table-wise, column-wise, table-column-wise, row-wise
+and table-row-wise. On CUDA the shards stay compressed in host memory and are decoded
+by the GPU, behind an optional HBM cache (``cache_load_factor`` in the plan's
+cache_params or fused_params, as for fused_uvm_caching); see kernel.py. Not supported:
+data-parallel (keep such tables on FBGEMM), grid sharding, VBE inputs.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 
 from ..store import memory_stats
 from .kernel import IBPBatchedEmbeddingBag
-from .lookup import CUDA_MISSING, check_codec_options, check_dedup
+from .fused_optimizer import host_metadata, on_host
+from .lookup import check_codec_options, check_dedup
 from .write_back import WriteBackTensor
 
 __all__ = [
@@ -268,9 +271,10 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             config = module._table_name_to_config[name]
             dtype = data_type_to_dtype(config.data_type)
             spec = module.module_sharding_plan[name].sharding_spec
-            md = spec.build_metadata(tensor_sizes=torch.Size((config.num_embeddings, config.embedding_dim)),
-                                     tensor_properties=TensorProperties(dtype=dtype))
-            local = [Shard(tensor=_write_back(kernel.shard_weight(i), kernel, i), metadata=smd)
+            md = host_metadata(spec.build_metadata(
+                tensor_sizes=torch.Size((config.num_embeddings, config.embedding_dim)),
+                tensor_properties=TensorProperties(dtype=dtype)))
+            local = [Shard(tensor=_write_back(kernel.shard_weight(i), kernel, i), metadata=on_host(smd))
                      for kernel, i, smd, _ in module._ibp_shards.get(name, [])]
             destination[f"{prefix}embedding_bags.{name}.weight"] = \
                 ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -333,7 +337,7 @@ class IBPEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     fused_params are TorchRec's: the sparse optimizer of the sharded tables (IBP ones
     included; see ibp_embed.torchrec.kernel.optimizer_from_fused_params). dedup
     ("auto", "always", "never") is the IBP kernels' lookup mode, as in
-    IBPEmbeddingBagCollection. The kernel is offered on CPU for table-wise,
+    IBPEmbeddingBagCollection. The kernel is offered on CPU and CUDA for table-wise,
     column-wise, table-column-wise, row-wise and table-row-wise sharding; TorchRec's
     own kernels keep TorchRec's offer (row-wise on CUDA only).
     """
@@ -356,15 +360,16 @@ class IBPEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return types
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if compute_device_type != "cpu":
+        if compute_device_type not in ("cpu", "cuda"):
             return list(super().compute_kernels(sharding_type, compute_device_type))
-        stock = [] if sharding_type in _ROW_SHARDINGS else list(super().compute_kernels(sharding_type, "cpu"))
+        if compute_device_type == "cpu" and sharding_type in _ROW_SHARDINGS:
+            stock = []  # TorchRec shards by rows on CUDA only
+        else:
+            stock = list(super().compute_kernels(sharding_type, compute_device_type))
         return stock + [IBP_COMPUTE_KERNEL] if sharding_type in IBP_SHARDING_TYPES else stock
 
     def shard(self, module: EmbeddingBagCollection, params, env, device: Optional[torch.device] = None,
               module_fqn: Optional[str] = None) -> IBPShardedEmbeddingBagCollection:
-        if device is not None and device.type == "cuda" and any(is_ibp(p.compute_kernel) for p in params.values()):
-            raise NotImplementedError(f"IBP customized_kernel tables on {device}: {CUDA_MISSING}")
         return IBPShardedEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
             device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,

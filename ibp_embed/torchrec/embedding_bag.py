@@ -2,7 +2,9 @@
 
 The packed table is held as buffers that ``torch.ops.ibp.pooled_lookup`` takes, so the
 lookup traces, compiles, exports and scripts; a trainable table is an UpdatableTable
-(libibp's store) looked up eagerly by the collection.
+(libibp's store) looked up eagerly by the collection. On a CUDA device the buffers stay
+in host memory and the table is also placed on the device (a DeviceTable: decoded by
+the GPU, optionally behind an HBM cache), looked up eagerly.
 """
 # No `from __future__ import annotations`: TorchScript reads the annotations as objects.
 from typing import Any, Dict, List, Optional, Union
@@ -10,11 +12,13 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import nn
 
+from .. import cuda
 from ..ops import table_from_tensors, table_tensors
 from ..optim import SparseOptimizer, state_nbytes
 from ..store import UpdatableTable
 from ..table import CompressedTable
-from .lookup import CUDA_MISSING, compress_weight
+from .device import DeviceTable
+from .lookup import compress_weight
 from .write_back import WriteBackTensor
 
 # Trainable tables rebuild their masks once the stored rows grew this much (UpdatableTable).
@@ -40,7 +44,7 @@ class IBPEmbeddingBag(nn.Module):
     """
 
     # Python-side properties TorchScript must not compile (forward is scriptable).
-    __jit_unused_properties__ = ["table", "trainable", "weight", "optimizer_state_nbytes"]
+    __jit_unused_properties__ = ["table", "trainable", "weight", "optimizer_state_nbytes", "device_table"]
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, mode: str,
                  table: Optional[CompressedTable], codec_options: Dict[str, Any], name: str = "",
@@ -59,6 +63,10 @@ class IBPEmbeddingBag(nn.Module):
         self.optimizer: Optional[SparseOptimizer] = None
         self.optimizer_state: Dict[str, torch.Tensor] = {}
         self._repack_drift: Optional[float] = None
+        self.on_cuda = False  # placed on a CUDA device (see place)
+        self._target: Optional[torch.device] = None
+        self._cache_options: Dict[str, Any] = {}
+        self._device_table: Optional[DeviceTable] = None
         if table is not None:
             self.set_table(table)
 
@@ -84,6 +92,29 @@ class IBPEmbeddingBag(nn.Module):
         if self._table is not None:
             self.set_table(self._table)
 
+    def place(self, device: Optional[torch.device], cache_load_factor: Optional[float] = None,
+              cache_policy: str = "lru") -> None:
+        """Look the table up on CUDA device `device` (None: on the host again). The packed
+        rows stay in host memory; an immutable table is placed on the device (a
+        DeviceTable, behind an HBM RowCache of cache_load_factor x its rows when given),
+        a trainable one is read by the host and its outputs moved to the device."""
+        self.on_cuda = device is not None
+        self._target = None if device is None else torch.device(device)
+        self._cache_options = {"cache_load_factor": cache_load_factor, "cache_policy": cache_policy}
+        self._place_table()
+
+    def _place_table(self) -> None:
+        old, self._device_table = self._device_table, None
+        if old is not None:
+            old.close()
+        if self.on_cuda and isinstance(self._table, CompressedTable):
+            self._device_table = DeviceTable(self._table, self._target, **self._cache_options)
+
+    @property
+    def device_table(self) -> Optional[DeviceTable]:
+        """The table's placement on its CUDA device (None on the host, or when trainable)."""
+        return self._device_table
+
     def reset_state(self) -> None:
         self.optimizer_state = {} if self.optimizer is None else \
             self.optimizer.init_state(self.num_embeddings, self.embedding_dim)
@@ -105,6 +136,7 @@ class IBPEmbeddingBag(nn.Module):
             tensors = {k: torch.empty(0, dtype=dt) for k, dt in _BUFFER_DTYPES.items()}
         for k, v in tensors.items():
             setattr(self, k, v)
+        self._place_table()
 
     def load_weight(self, weight: torch.Tensor) -> None:
         if not isinstance(weight, torch.Tensor):
@@ -126,6 +158,8 @@ class IBPEmbeddingBag(nn.Module):
                 per_sample_weights: Optional[torch.Tensor] = None, feature: str = "") -> torch.Tensor:
         """Pooled lookup as nn.EmbeddingBag's (offsets with B + 1 entries): [B, dim] float32."""
         what = self._what if feature == "" else "feature '" + feature + "' of " + self._what
+        if self.on_cuda and not torch.jit.is_scripting():
+            return self._device_lookup(input, offsets, per_sample_weights, what)
         if self.payload.numel() == 0 and input.device.type != "meta":
             if not torch.jit.is_scripting():
                 raise RuntimeError(what + self._no_table_reason())
@@ -135,6 +169,17 @@ class IBPEmbeddingBag(nn.Module):
                                            self.mode_code, what, self.dedup)
 
     @torch.jit.unused
+    def _device_lookup(self, input: torch.Tensor, offsets: torch.Tensor,
+                       per_sample_weights: Optional[torch.Tensor], what: str) -> torch.Tensor:
+        if self._device_table is None:
+            raise RuntimeError(what + (" holds no weights" if self._table is None else
+                                       " is trainable: look it up through the collection"))
+        try:
+            return self._device_table.lookup(input, offsets, per_sample_weights, self.mode)
+        except (IndexError, ValueError) as e:
+            raise type(e)(f"{what}: {e}") from None
+
+    @torch.jit.unused
     def _no_table_reason(self) -> str:
         if isinstance(self._table, UpdatableTable):
             return " is trainable: its rows are in an UpdatableTable (look it up through the collection)"
@@ -142,11 +187,17 @@ class IBPEmbeddingBag(nn.Module):
                 "load_compressed) before running it on real inputs")
 
     def _apply(self, fn, recurse=True):
-        # Buffers move as any module's; the table view follows them.
+        # Onto a GPU (.to("cuda"), .cuda()): the buffers stay in host memory and the table
+        # is placed there. Otherwise buffers move as any module's; the table view follows.
+        here = self.payload.device if not self.on_cuda else cuda.storage_device(self._target)
+        there = fn(torch.empty(0, device=here)).device
+        if there != here and there.type == "cuda":
+            self.place(there, **self._cache_options)
+            return self
+        if there != here and self.on_cuda:
+            self.place(None)
         super()._apply(fn, recurse)
         dev = self.payload.device
-        if dev.type == "cuda":
-            raise NotImplementedError(f"table {self.name!r}: {CUDA_MISSING}")
         if isinstance(self._table, UpdatableTable) and dev.type == "cpu":
             return self
         if dev.type == "meta" or self.payload.numel() == 0:
@@ -158,6 +209,7 @@ class IBPEmbeddingBag(nn.Module):
     # deepcopy and pickling copy the compressed bytes, never native handles
     def __getstate__(self):
         state = self.__dict__.copy()
+        state["_device_table"] = None  # native handles: placed again on load
         table = state.pop("_table")
         if isinstance(table, UpdatableTable):
             state["_packed"] = table_tensors(table.to_table())
@@ -172,6 +224,7 @@ class IBPEmbeddingBag(nn.Module):
                                          repack_drift=self._repack_drift, codec_options=self._codec_options)
         elif self.payload.device.type == "cpu" and self.payload.numel():
             self._table = table_from_tensors(self._buffers, self.meta, self.dtype)
+        self._place_table()
 
     @property
     def optimizer_state_nbytes(self) -> int:

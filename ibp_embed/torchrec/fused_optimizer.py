@@ -29,8 +29,9 @@ from ..optim import SGD, Adagrad, RowWiseAdagrad, SparseOptimizer
 DEFAULT_OPTIMIZER = "exact_sgd"
 DEFAULT_LEARNING_RATE = 0.01
 
-# fused_params keys that decide placement, caching or other optimizers' settings:
-# meaningless for compressed host tables, accepted so one sharder can serve both kernels.
+# fused_params keys that decide placement, caching or other optimizers' settings: not
+# the optimizer's business (the kernel reads cache_load_factor and cache_algorithm),
+# accepted so one sharder can serve both kernels.
 _IGNORED_FUSED_PARAMS = {
     "cache_load_factor", "cache_sets", "cache_algorithm", "cache_reserved_memory", "cache_precision",
     "prefetch_pipeline", "bounds_check_mode", "uvm_non_rowwise_momentum", "use_experimental_tbe",
@@ -80,6 +81,21 @@ def optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> Spars
                      f"EXACT_ADAGRAD or EXACT_ROWWISE_ADAGRAD")
 
 
+def on_host(md: ShardMetadata) -> ShardMetadata:
+    """`md` placed in its rank's host memory when it names a CUDA device: IBP shards,
+    their decompressed state_dict copies and their optimizer state live on the host
+    whatever the compute device (a decompressed shard may not fit in HBM)."""
+    dev = md.placement.device() if md.placement is not None else None
+    if dev is None or dev.type != "cuda":
+        return md
+    return ShardMetadata(shard_offsets=list(md.shard_offsets), shard_sizes=list(md.shard_sizes),
+                         placement=f"rank:{md.placement.rank()}/cpu")
+
+
+def host_metadata(md: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    return ShardedTensorMetadata([on_host(s) for s in md.shards_metadata], md.size, md.tensor_properties)
+
+
 def _state_metadata(table_md: ShardedTensorMetadata, state: torch.Tensor, column_sharded: bool):
     """(table shard metadata -> state shard metadata, the state's global metadata),
     TorchRec's layout: per-element state is sharded as the table; row-wise state by
@@ -87,16 +103,16 @@ def _state_metadata(table_md: ShardedTensorMetadata, state: torch.Tensor, column
     props = TensorProperties(dtype=state.dtype, layout=state.layout, requires_grad=False)
     shards = table_md.shards_metadata
     if state.dim() == 2:
-        mapping = {md: ShardMetadata(shard_sizes=md.shard_sizes, shard_offsets=md.shard_offsets,
-                                     placement=md.placement) for md in shards}
+        mapping = {md: on_host(ShardMetadata(shard_sizes=md.shard_sizes, shard_offsets=md.shard_offsets,
+                                             placement=md.placement)) for md in shards}
         return mapping, ShardedTensorMetadata(list(mapping.values()), table_md.size, props)
     if column_sharded:
         shards = sorted(shards, key=lambda md: md.shard_offsets[1])
     mapping = {}
     for i, md in enumerate(shards):
         offset = i * md.shard_sizes[0] if column_sharded else md.shard_offsets[0]
-        mapping[md] = ShardMetadata(shard_sizes=[md.shard_sizes[0]], shard_offsets=[offset],
-                                    placement=md.placement)
+        mapping[md] = on_host(ShardMetadata(shard_sizes=[md.shard_sizes[0]], shard_offsets=[offset],
+                                            placement=md.placement))
     rows = table_md.size[0] * (len(shards) if column_sharded else 1)
     return mapping, ShardedTensorMetadata(list(mapping.values()), torch.Size([rows]), props)
 
@@ -117,11 +133,12 @@ class IBPFusedOptimizer(FusedOptimizer):
         params, state = {}, {}
         for name, shards in by_table.items():
             t0 = shards[0][0]
-            md = copy.deepcopy(t0.global_metadata)
+            md = host_metadata(copy.deepcopy(t0.global_metadata))
             md.tensor_properties.dtype = shards[0][2]
+            local_md = [on_host(t.local_metadata) for t, _, _ in shards]
             weight = ShardedTensorBase._init_from_local_shards_and_global_metadata(
-                [Shard(torch.zeros((), dtype=d, device=t.local_metadata.placement.device()).expand(
-                    t.local_rows, t.local_cols), t.local_metadata) for t, _, d in shards], md)
+                [Shard(torch.zeros((), dtype=d, device=lmd.placement.device()).expand(t.local_rows, t.local_cols),
+                       lmd) for (t, _, d), lmd in zip(shards, local_md)], md)
             params[f"{name}.weight"] = weight
             state[weight] = {}
             column_sharded = t0.local_cols != t0.embedding_dim

@@ -10,6 +10,12 @@ state_dict / load_state_dict / learning-rate changes work as for ``fused`` table
 
 Tables stay immutable CompressedTables until the first forward with grad enabled;
 then they become UpdatableTables (libibp's store). Inference never pays for it.
+
+On a CUDA device (the plan's compute device "cuda") the shards stay compressed in host
+memory: inference lookups run on the GPU (ibp_embed.torchrec.device.DeviceTable, with an
+HBM cache of hot rows when fused_params carry ``cache_load_factor``, evicting by
+``cache_algorithm`` LRU or LFU); training reads the host store, reduces row gradients
+on the GPU and steps on the host. Optimizer state is in host memory, beside the rows.
 """
 from __future__ import annotations
 
@@ -23,15 +29,16 @@ from torchrec.modules.embedding_configs import data_type_to_dtype, pooling_type_
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from .. import cuda
 from ..store import UpdatableTable
 from ..table import CompressedTable
+from .device import DeviceTable, check_cache_options, check_device, device_pooled_lookup
 from .fused_optimizer import IBPFusedOptimizer, optimizer_from_fused_params
 from .lookup import (
-    CUDA_MISSING,
     Slot,
+    apply_updates,
     check_dedup,
     compress_weight,
-    concat_features,
     lookup_jobs,
     run_lookup_jobs,
     training_lookup,
@@ -52,8 +59,11 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
                  device: Optional[torch.device] = None, sharding_type: Optional[ShardingType] = None,
                  dedup: str = "never") -> None:
         super().__init__()
-        if device is not None and torch.device(device).type == "cuda":
-            raise NotImplementedError(f"IBP customized_kernel on {device}: {CUDA_MISSING}")
+        self._device = None if device is None else torch.device(device)
+        self._cache_options = _cache_options(config.fused_params)
+        if self._device is not None and self._device.type == "cuda":
+            self._device = check_device(self._device)
+        self._device_tables: List[Optional[DeviceTable]] = [None] * len(config.embedding_tables)
         self.dedup = check_dedup(dedup)
         self._config = config
         self._pg = pg
@@ -69,8 +79,9 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         self.optimizer = optimizer_from_fused_params(config.fused_params)
         self._tables: List[Optional[CompressedTable]] = [None] * len(config.embedding_tables)
         self._codec_options: Dict[str, Any] = {}
-        self._states = [{k: v.to(t.local_metadata.placement.device()) for k, v in
-                         self.optimizer.init_state(t.local_rows, t.local_cols).items()}
+        # Optimizer state on the host, where the optimizer runs (meta on the meta device).
+        self._states = [{k: v.to("meta" if t.local_metadata.placement.device().type == "meta" else "cpu")
+                         for k, v in self.optimizer.init_state(t.local_rows, t.local_cols).items()}
                         for t in config.embedding_tables]
         self._optim = IBPFusedOptimizer(config, self.optimizer, self._states, self._dtypes, pg)
 
@@ -100,6 +111,7 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         if isinstance(self._tables[i], UpdatableTable):
             table = self._updatable(table)
         self._tables[i] = table
+        self._device_tables[i] = None  # placed again by the next inference forward
 
     def shard_weight(self, i: int) -> torch.Tensor:
         """Local shard i decompressed (for checkpoints); a meta tensor on the meta device."""
@@ -124,6 +136,27 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         for i in range(len(self._tables)):
             if not isinstance(self._table(i), UpdatableTable):
                 self._tables[i] = self._updatable(self._tables[i])
+                self._device_tables[i] = None
+
+    @property
+    def on_cuda(self) -> bool:
+        return self._device is not None and self._device.type == "cuda"
+
+    def device_tables(self) -> List[DeviceTable]:
+        """The shards placed on the CUDA device (placed now if needed; immutable tables only)."""
+        for i in range(len(self._tables)):
+            if self._device_tables[i] is None:
+                table = self._table(i)
+                if isinstance(table, UpdatableTable):
+                    raise RuntimeError(f"IBP kernel: table {self._config.embedding_tables[i].name!r} is "
+                                       f"trainable; its rows are read on the host")
+                self._device_tables[i] = DeviceTable(table, self._device, **self._cache_options)
+        return list(self._device_tables)
+
+    def cache_stats(self) -> Dict[str, dict]:
+        """Shard's table name -> its HBM RowCache's counters (cached shards only)."""
+        return {t.name: d.cache_stats() for t, d in zip(self._config.embedding_tables, self._device_tables)
+                if d is not None and d.cache is not None}
 
     def _slots(self) -> List[Slot]:
         return [Slot(self._table(i), self._mode, t.local_cols, t.local_rows, f, t.name)
@@ -136,29 +169,37 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         training = torch.is_grad_enabled() and features.values().device.type != "meta"
         if training:
             self._make_trainable()
+        elif self.on_cuda and not any(isinstance(t, UpdatableTable) for t in self._tables) \
+                and features.values().device.type != "meta":
+            return self._device_forward(features)
         jobs, b = lookup_jobs(features, self._slots(), self._config.is_weighted, "IBP kernel")
         if jobs is None:
             return torch.empty((b, sum(t.local_cols * len(t.feature_names) for t in self._config.embedding_tables)),
                                dtype=torch.float32, device="meta")
+        out = cuda.storage_device(self._device) if self.on_cuda else torch.device("cpu")
         if training:
-            return training_lookup(self, jobs, b, self.dedup)
-        return run_lookup_jobs(jobs, b, self.dedup)
+            return training_lookup(self, jobs, b, self.dedup, out)
+        return run_lookup_jobs(jobs, b, self.dedup).to(out)
+
+    def _device_forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        placed = self.device_tables()
+        slots = [Slot(placed[i], self._mode, t.local_cols, t.local_rows, f, t.name)
+                 for i, t in enumerate(self._config.embedding_tables) for f in t.feature_names]
+        return device_pooled_lookup(features, slots, self._config.is_weighted, "IBP kernel")
 
     def apply_sparse_update(self, jobs, b: int, grad_out: torch.Tensor) -> None:
-        """Backward: per local shard, its rows' summed gradients and one optimizer step."""
+        """Backward: per local shard, its rows' summed gradients (reduced on the GPU for a
+        kernel on cuda) and one optimizer step."""
         index = {id(t): i for i, t in enumerate(self._tables)}
-        by_table: Dict[int, list] = {}
-        col = 0
-        for s, ids, bag_off, ws in jobs:
+
+        def key(s):
             i = index.get(id(s.table))
             if i is None:
                 raise RuntimeError(f"IBP kernel: table {s.table_name!r} was replaced between forward and backward")
-            by_table.setdefault(i, []).append((ids, bag_off, ws, col))
-            col += s.dim
-        for i, items in by_table.items():
-            indices, offsets, weights, cols = concat_features(items)
-            self._tables[i].apply_gradients(self.optimizer, self._states[i], indices, offsets, b, grad_out,
-                                            cols, weights, self._mode)
+            return i
+
+        apply_updates(jobs, b, grad_out, self.optimizer, key,
+                      lambda i: (self._tables[i], self._states[i], self._mode), on_device=self.on_cuda)
 
     # Hooks TorchRec's lookup and sharded module call on every kernel.
     def named_parameters_by_table(self):
@@ -173,3 +214,20 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
     def extra_repr(self) -> str:
         return (", ".join(f"{t.name}[{t.local_rows}x{t.local_cols}]" for t in self._config.embedding_tables)
                 + f", optimizer={self.optimizer!r}")
+
+
+_CACHE_POLICIES = {"LRU": "lru", "LFU": "lfu"}
+
+
+def _cache_options(fused_params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The HBM cache a plan asks for: cache_load_factor and cache_algorithm (FBGEMM's
+    CacheAlgorithm LRU or LFU), as for fused_uvm_caching tables."""
+    fp = fused_params or {}
+    algo = fp.get("cache_algorithm")
+    name = getattr(algo, "name", algo)
+    policy = _CACHE_POLICIES.get(str(name).upper(), None) if name is not None else "lru"
+    if policy is None:
+        raise ValueError(f"IBP kernel: cache_algorithm {algo!r} is not supported (LRU or LFU)")
+    clf = fp.get("cache_load_factor")
+    check_cache_options(clf, policy)
+    return {"cache_load_factor": clf, "cache_policy": policy}

@@ -25,13 +25,6 @@ _DATA_TYPES = {
 }
 _POOLING_MODES = {PoolingType.SUM.value: "sum", PoolingType.MEAN.value: "mean"}
 
-CUDA_MISSING = (
-    "ibp_embed has no CUDA lookup path yet (the native library decodes on the CPU "
-    "only); keep IBPEmbeddingBagCollection on device='cpu' (or 'meta'), and feed it CPU "
-    "KeyedJaggedTensors"
-)
-
-
 class FeatureKeyError(KeyError):
     """A KeyedJaggedTensor lacks a feature the module needs, or carries one it does not know."""
 
@@ -63,13 +56,16 @@ def pooling_mode(config_or_pooling) -> str:
 
 
 def resolve_device(device) -> torch.device:
-    """cpu or meta (default: torch's default device, so ``with torch.device("meta")``
-    builds meta modules); cuda raises NotImplementedError naming the missing path."""
+    """cpu, meta or cuda (default: torch's default device, so ``with torch.device("meta")``
+    builds meta modules). A CUDA device must be usable (ibp_embed.cuda.NoCudaDeviceError
+    otherwise) unless ibp_embed.cuda emulates it."""
     device = torch.empty(0).device if device is None else torch.device(device)
     if device.type == "cuda":
-        raise NotImplementedError(CUDA_MISSING)
+        from .device import check_device
+
+        return check_device(device)
     if device.type not in ("cpu", "meta"):
-        raise ValueError(f"device {device} is not supported (use 'cpu' or 'meta')")
+        raise ValueError(f"device {device} is not supported (use 'cpu', 'cuda' or 'meta')")
     return device
 
 
@@ -88,16 +84,15 @@ class Slot:
         self.feature, self.table_name = feature, table_name
 
 
-def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
-    """(values int64 np, offsets np [F*B+1], weights float32 np or None, B), validated."""
+def check_kjt(kjt: KeyedJaggedTensor, weighted: bool, who: str) -> None:
+    """What every lookup needs of an input KJT: fixed batch size, integer ids, weights iff
+    the module is weighted."""
     if kjt.variable_stride_per_key():
         raise NotImplementedError(f"{who}: variable batch size per feature (VBE) is not supported")
     inv = kjt.inverse_indices_or_none()
     if inv is not None:
         raise NotImplementedError(f"{who}: KeyedJaggedTensor inverse indices (VBE) are not supported")
     values = kjt.values()
-    if values.device.type == "cuda":
-        raise NotImplementedError(CUDA_MISSING)
     if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
         raise TypeError(f"{who}: ids must be integers, got {values.dtype}")
     weights = kjt.weights_or_none()
@@ -106,6 +101,12 @@ def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
     if not weighted and weights is not None:
         raise ValueError(f"{who} is unweighted (is_weighted=False) but the KeyedJaggedTensor carries "
                          f"weights; build the module with is_weighted=True or drop the weights")
+
+
+def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
+    """(values int64 np, offsets np [F*B+1], weights float32 np or None, B) on the host, validated."""
+    check_kjt(kjt, weighted, who)
+    values, weights = kjt.values(), kjt.weights_or_none()
     b = kjt.stride()
     n_values = values.numel()
     off = kjt.offsets()
@@ -217,16 +218,17 @@ def compress_weight(weight: torch.Tensor, dtype: torch.dtype, codec_options: Dic
 class SparseUpdateLookup(torch.autograd.Function):
     """Pooled lookups whose backward applies the sparse optimizer to the touched rows.
 
-    forward(anchor, owner, jobs, B, dedup) -> [B, sum of dims]; `anchor` is an empty
-    leaf that requires grad (it only makes autograd call backward). backward hands the
-    output gradient to owner.apply_sparse_update(jobs, B, grad), which updates the
-    tables in place, as FBGEMM's fused TBE does: no dense table gradient ever exists.
+    forward(anchor, owner, jobs, B, dedup, device) -> [B, sum of dims] on `device` (the
+    lookups run on the host); `anchor` is an empty leaf that requires grad (it only makes
+    autograd call backward). backward hands the output gradient (on `device`) to
+    owner.apply_sparse_update(jobs, B, grad), which updates the tables in place, as
+    FBGEMM's fused TBE does: no dense table gradient ever exists.
     """
 
     @staticmethod
-    def forward(ctx, anchor, owner, jobs, b, dedup):
+    def forward(ctx, anchor, owner, jobs, b, dedup, device):
         ctx.owner, ctx.jobs, ctx.b = owner, jobs, b
-        return run_lookup_jobs(jobs, b, dedup)
+        return run_lookup_jobs(jobs, b, dedup).to(device)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -235,10 +237,37 @@ class SparseUpdateLookup(torch.autograd.Function):
                                "sparse update was already applied (retain_graph is not supported)")
         ctx.owner.apply_sparse_update(ctx.jobs, ctx.b, grad_out)
         ctx.jobs = None
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
-def training_lookup(owner, jobs, b: int, dedup: str) -> torch.Tensor:
-    """run_lookup_jobs whose result takes part in autograd (see SparseUpdateLookup)."""
+def training_lookup(owner, jobs, b: int, dedup: str, device: torch.device = torch.device("cpu")
+                    ) -> torch.Tensor:
+    """run_lookup_jobs whose result, moved to `device`, takes part in autograd (see
+    SparseUpdateLookup)."""
     anchor = torch.empty(0, requires_grad=True)
-    return SparseUpdateLookup.apply(anchor, owner, jobs, b, dedup)
+    return SparseUpdateLookup.apply(anchor, owner, jobs, b, dedup, device)
+
+
+def apply_updates(jobs, b: int, grad_out: torch.Tensor, optimizer, table_key, target,
+                  on_device: bool = False) -> None:
+    """Backward of training lookups: per table, its features' rows get their summed
+    gradients and one optimizer step. table_key(slot) names a slot's table;
+    target(key) -> (UpdatableTable, optimizer state, pooling mode). On the CPU libibp
+    reduces the gradients itself (fused with the step, FBGEMM's arithmetic); for tables
+    on a CUDA device (on_device) they are reduced where grad_out lives and only the
+    distinct rows' gradients travel to the host."""
+    by_table: Dict[Any, list] = {}
+    col = 0
+    for s, ids, bag_off, ws in jobs:
+        by_table.setdefault(table_key(s), []).append((ids, bag_off, ws, col))
+        col += s.dim
+    for key, items in by_table.items():
+        table, state, mode = target(key)
+        if on_device:
+            from .device import reduce_row_gradients
+
+            ids, rows = reduce_row_gradients(items, b, grad_out, mode, table.shape[1])
+            table.apply_row_gradients(optimizer, state, ids, rows)
+        else:
+            indices, offsets, weights, cols = concat_features(items)
+            table.apply_gradients(optimizer, state, indices, offsets, b, grad_out, cols, weights, mode)

@@ -37,17 +37,19 @@ from torch.fx._symbolic_trace import is_fx_tracing
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
+from .. import cuda
 from ..optim import SparseOptimizer
 from ..store import UpdatableTable, memory_stats
 from ..table import CompressedTable
+from .device import check_cache_options
 from .lookup import (
     FeatureKeyError,
     Slot,
+    apply_updates,
     check_codec_options,
     DEDUP_MODES,
     check_dedup,
     compress_weight,
-    concat_features,
     lookup_jobs,
     pooled_lookup,
     pooling_mode,
@@ -81,9 +83,17 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             pooling a weighted bag is its weighted sum divided by the bag length
             (FBGEMM's semantics).
         device: None or "cpu" (tables are initialised with each config's init_fn,
-            TorchRec's default uniform(-sqrt(1/N), sqrt(1/N)), then compressed), or
-            "meta" (no storage: load weights with load_state_dict or load_compressed).
-            "cuda" raises NotImplementedError: there is no CUDA lookup path yet.
+            TorchRec's default uniform(-sqrt(1/N), sqrt(1/N)), then compressed), "cuda"
+            (the same tables, compressed in host memory and placed on the GPU: the CUDA
+            library decodes and pools the rows a batch touches; KJT in and KeyedTensor
+            out on the device; see ibp_embed.torchrec.device), or "meta" (no storage:
+            load weights with load_state_dict or load_compressed). Without a usable
+            GPU, "cuda" raises ibp_embed.cuda.NoCudaDeviceError ("no CUDA device: ..."),
+            unless ibp_embed.cuda emulates one (``IBP_CUDA_EMULATE=1``).
+        cache_load_factor, cache_policy: on "cuda", an HBM cache of hot decoded rows in
+            front of each table, holding this fraction of its rows (None or 0: none;
+            TorchRec's name, as for fused_uvm_caching), evicting by "lru" or "lfu"
+            (ibp_embed.cache.RowCache). Inference only: trainable tables are not cached.
         strict_features: raise FeatureKeyError for input keys no table reads (and for
             repeated keys); by default they are ignored, as TorchRec's EBC ignores them.
         dedup: "never" (default: the native fused decode-and-pool on every id),
@@ -117,11 +127,15 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                  device: Optional[torch.device] = None, *, strict_features: bool = False,
                  dedup: str = "never", optimizer: Optional[SparseOptimizer] = None,
                  repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
+                 cache_load_factor: Optional[float] = None, cache_policy: str = "lru",
                  _tables: Optional[Dict[str, CompressedTable]] = None,
                  **codec_options: Any) -> None:
         super().__init__()
         self._codec_options = check_codec_options(codec_options)
+        check_cache_options(cache_load_factor, cache_policy)
+        self._cache_options = {"cache_load_factor": cache_load_factor, "cache_policy": cache_policy}
         self._device = resolve_device(device)
+        host = torch.device("cpu") if self._device.type == "cuda" else self._device
         self._trainable = False
         self._is_weighted = bool(is_weighted)
         self._strict_features = bool(strict_features)
@@ -139,8 +153,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if config.num_embeddings <= 0 or config.embedding_dim <= 0:
                 raise ValueError(f"table {config.name!r}: num_embeddings and embedding_dim must be positive")
             bag = IBPEmbeddingBag(config.num_embeddings, config.embedding_dim, table_dtype(config),
-                                  pooling_mode(config), None, self._codec_options, config.name,
-                                  device=self._device)
+                                  pooling_mode(config), None, self._codec_options, config.name, device=host)
+            if self._device.type == "cuda":
+                bag.place(self._device, **self._cache_options)
             self.embedding_bags[config.name] = bag
         self.dedup = self._dedup
         if optimizer is not None:
@@ -155,9 +170,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             c.embedding_dim for c in tables for _ in c.feature_names]
         self._needed_list = list(dict.fromkeys(f for names_ in self._feature_names for f in names_))
         self._needed = set(self._needed_list)
-        if _tables is None and self._device.type == "cpu":
+        if _tables is None and self._device.type != "meta":
             self.reset_parameters()
-        elif _tables is not None:
+        elif _tables is not None and self._device.type == "meta":
             self._device = torch.device("cpu")
 
     # ---- construction from other forms ----
@@ -166,9 +181,13 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                                       strict_features: bool = False, dedup: str = "never",
                                       optimizer: Optional[SparseOptimizer] = None,
                                       repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
+                                      device: Optional[torch.device] = None,
+                                      cache_load_factor: Optional[float] = None, cache_policy: str = "lru",
                                       **codec_options: Any) -> "IBPEmbeddingBagCollection":
         """Compress the tables of an existing (e.g. trained) EmbeddingBagCollection.
-        With `optimizer`, the result is trainable (see the class docstring)."""
+        With `optimizer`, the result is trainable (see the class docstring). device:
+        where the module runs (default: "cuda" when the EBC's tables are on a GPU, else
+        "cpu"); the compressed tables are in host memory either way."""
         if not isinstance(ebc, EmbeddingBagCollectionInterface) or not hasattr(ebc, "embedding_bags"):
             raise TypeError(f"expected a torchrec EmbeddingBagCollection, got {type(ebc).__name__}")
         codec_options = check_codec_options(codec_options)
@@ -189,8 +208,12 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             c.data_type = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
                            torch.bfloat16: DataType.BF16}[weight.dtype]
             tables[c.name] = compress_weight(weight, weight.dtype, codec_options)
-        return cls(configs, is_weighted=ebc.is_weighted(), strict_features=strict_features,
-                   dedup=dedup, optimizer=optimizer, repack_drift=repack_drift, _tables=tables, **codec_options)
+            if device is None and weight.device.type == "cuda":
+                device = weight.device
+        return cls(configs, is_weighted=ebc.is_weighted(), device=device or "cpu",
+                   strict_features=strict_features, dedup=dedup, optimizer=optimizer,
+                   repack_drift=repack_drift, cache_load_factor=cache_load_factor, cache_policy=cache_policy,
+                   _tables=tables, **codec_options)
 
     def to_embedding_bag_collection(self, device=None) -> EmbeddingBagCollection:
         """A plain TorchRec EmbeddingBagCollection holding the decompressed tables
@@ -229,17 +252,14 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def apply_sparse_update(self, jobs, b: int, grad_out: torch.Tensor) -> None:
         """Backward of a trainable forward: per table, the rows its features touched
-        get their summed gradients and one optimizer step (in libibp)."""
-        by_table: Dict[str, list] = {}
-        col = 0
-        for s, ids, bag_off, ws in jobs:
-            by_table.setdefault(s.table_name, []).append((ids, bag_off, ws, col))
-            col += s.dim
-        for name, items in by_table.items():
+        get their summed gradients (reduced on the GPU for a module on cuda) and one
+        optimizer step (in libibp, on the host)."""
+        def target(name):
             bag = self.embedding_bags[name]
-            indices, offsets, weights, cols = concat_features(items)
-            bag.table.apply_gradients(self._optimizer, bag.optimizer_state, indices, offsets, b, grad_out,
-                                      cols, weights, bag.mode)
+            return bag.table, bag.optimizer_state, bag.mode
+
+        apply_updates(jobs, b, grad_out, self._optimizer, lambda s: s.table_name, target,
+                      on_device=self._device.type == "cuda")
 
     # ---- EmbeddingBagCollectionInterface ----
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -250,7 +270,26 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @property
     def device(self) -> torch.device:
+        """Where lookups run and outputs live (tables are in host memory on "cuda" too)."""
         return self._device
+
+    def _apply(self, fn, recurse=True):
+        # .to("cuda") / .cuda() / .cpu(): the bags place or unplace their tables.
+        here = self._device if self._device.type != "cuda" else cuda.storage_device(self._device)
+        there = fn(torch.empty(0, device=here)).device
+        if there != here and there.type == "cuda":
+            for bag in self.embedding_bags.values():
+                bag._cache_options = dict(self._cache_options)  # used when it places its table
+        super()._apply(fn, recurse)
+        if there != here:
+            self._device = resolve_device(there)
+        return self
+
+    def cache_stats(self) -> Dict[str, dict]:
+        """Table name -> its HBM RowCache's counters (hits, misses, hit_rate, ...), for
+        the tables that have one (a module on cuda with cache_load_factor)."""
+        return {name: bag.device_table.cache_stats() for name, bag in self.embedding_bags.items()
+                if bag.device_table is not None and bag.device_table.cache is not None}
 
     def tables(self) -> Dict[str, Optional[Union[CompressedTable, UpdatableTable]]]:
         """Table name -> CompressedTable, or UpdatableTable when trainable (None while on
@@ -277,6 +316,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         figures: raw_bytes, compressed_bytes held now, packed_bytes, and for trainable
         tables live / slack / dead / free / index bytes), plus
         optimizer_state_bytes: the optimizer state (uncompressed);
+        cache_bytes (on cuda): device memory of the HBM row caches;
         total_bytes: compressed_bytes + optimizer_state_bytes;
         raw_total_bytes: raw_bytes + optimizer_state_bytes (the uncompressed model with
             the same optimizer state, for comparison)."""
@@ -284,6 +324,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         opt = self.optimizer_state_nbytes
         stats.update(raw_bytes=self.raw_nbytes, optimizer_state_bytes=opt,
                      total_bytes=stats["compressed_bytes"] + opt, raw_total_bytes=self.raw_nbytes + opt)
+        if self._device.type == "cuda":
+            stats["cache_bytes"] = sum(b.device_table.cache_nbytes for b in self.embedding_bags.values()
+                                       if b.device_table is not None)
         return stats
 
     def reset_parameters(self) -> None:
@@ -362,18 +405,23 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @torch.jit.unused
     def _forward_trainable(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Eager lookups in the tables' stores; under grad mode their outputs take part in
-        autograd and backward applies the sparse optimizer (not traceable)."""
+        """Eager lookups in the tables' stores (on the host, outputs moved to the module's
+        device); under grad mode their outputs take part in autograd and backward applies
+        the sparse optimizer (not traceable)."""
         keys = features.keys()
         pos = {k: i for i, k in enumerate(keys)}
         slots = self._slots()
         key_index = [pos[s.feature] for s in slots]
         who = "IBPEmbeddingBagCollection"
+        # On cuda the host's outputs move to the device (meta inputs give meta outputs).
+        out = cuda.storage_device(self._device) if self._device.type == "cuda" else torch.device("cpu")
         if torch.is_grad_enabled() and features.values().device.type != "meta":
             jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
-            values = training_lookup(self, jobs, b, self.dedup)
+            values = training_lookup(self, jobs, b, self.dedup, out)
         else:
             values = pooled_lookup(features, slots, self._is_weighted, who, key_index, self.dedup)
+            if self._device.type == "cuda":
+                values = values.to(out)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -404,9 +452,12 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         strict_features: bool = False, dedup: str = "never",
                         optimizer: Optional[SparseOptimizer] = None,
                         repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
-                        **codec_options: Any) -> "IBPEmbeddingBagCollection":
+                        device: Optional[torch.device] = None, cache_load_factor: Optional[float] = None,
+                        cache_policy: str = "lru", **codec_options: Any) -> "IBPEmbeddingBagCollection":
         """Open a directory written by save_compressed. mmap=True maps the .ibp files
-        (inference only: a trainable module copies its tables into updatable stores).
+        (inference only: a trainable module copies its tables into updatable stores); on
+        device="cuda" the GPU then reads the mapped rows in place where the driver can
+        register them (else from a pinned copy).
 
         optimizer: None gives an inference module. optimizer="saved" (or an optimizer
         of the same kind as the one the checkpoint names) gives a trainable module whose
@@ -420,8 +471,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         opts = dict(manifest.get("codec_options") or {})
         opts.update(codec_options)
         module = cls(configs, is_weighted=bool(manifest["is_weighted"]),
-                     strict_features=strict_features, dedup=dedup, optimizer=optimizer,
-                     repack_drift=repack_drift, _tables=tables, **check_codec_options(opts))
+                     device=device or "cpu", strict_features=strict_features, dedup=dedup,
+                     optimizer=optimizer, repack_drift=repack_drift, cache_load_factor=cache_load_factor,
+                     cache_policy=cache_policy, _tables=tables, **check_codec_options(opts))
         for name, st in states.items():
             bag = module.embedding_bags[name]
             for k, v in st.items():

@@ -40,6 +40,10 @@ __all__ = [
 # kernel is 1.0): benchmarks/lookup.py measured 0.27-0.66x FBGEMM HOST TBE lookup
 # throughput (lookup-20261130T051943Z.json); the middle of that range.
 DEFAULT_CPU_BANDWIDTH_FACTOR = 0.4
+# On CUDA the uncached rows cross PCIe compressed: their effective bandwidth is the
+# link's times the compression ratio (1.12-1.31 in benchmarks/codec.py; the low end),
+# with the GPU's decode assumed to keep up (not yet measured on a GPU).
+DEFAULT_CUDA_BANDWIDTH_FACTOR = 1.1
 
 
 def ibp_constraints(tables: Iterable[Union[str, EmbeddingBagConfig]],
@@ -70,20 +74,30 @@ class IBPPerfEstimatorConfig(EmbeddingPerfEstimatorConfig):
     """TorchRec's default perf model plus a bandwidth for the IBP customized_kernel.
 
     On CPU the kernel is costed like FBGEMM's fused kernel at cpu_bandwidth_factor x
-    the topology's DDR bandwidth. Every other kernel is costed as by TorchRec.
+    the topology's DDR bandwidth. On CUDA it is costed like fused_uvm_caching (or
+    fused_uvm without a cache), its PCIe bandwidth times cuda_bandwidth_factor (the
+    bytes saved by compression): (c x HBM + (1 - c) x factor x HBM-to-DDR) / 10 for a
+    cache of c = cache_load_factor of the rows (0 without one). Every other kernel is
+    costed as by TorchRec.
     """
 
-    def __init__(self, cpu_bandwidth_factor: float = DEFAULT_CPU_BANDWIDTH_FACTOR) -> None:
+    def __init__(self, cpu_bandwidth_factor: float = DEFAULT_CPU_BANDWIDTH_FACTOR,
+                 cuda_bandwidth_factor: float = DEFAULT_CUDA_BANDWIDTH_FACTOR) -> None:
         super().__init__()
-        if not cpu_bandwidth_factor > 0:
-            raise ValueError("cpu_bandwidth_factor must be positive")
+        if not cpu_bandwidth_factor > 0 or not cuda_bandwidth_factor > 0:
+            raise ValueError("cpu_bandwidth_factor and cuda_bandwidth_factor must be positive")
         self.cpu_bandwidth_factor = float(cpu_bandwidth_factor)
+        self.cuda_bandwidth_factor = float(cuda_bandwidth_factor)
 
     def get_device_bw(self, compute_device, compute_kernel, hbm_mem_bw, ddr_mem_bw, ssd_mem_bw,
                       hbm_to_ddr_mem_bw, caching_ratio=None, prefetch_pipeline=False):
         if is_ibp(compute_kernel):
-            if compute_device.lower() == "cpu":
+            device = compute_device.lower()
+            if device == "cpu":
                 return self.cpu_bandwidth_factor * ddr_mem_bw
+            if device == "cuda":
+                c = float(caching_ratio or 0.0)
+                return (c * hbm_mem_bw + (1 - c) * self.cuda_bandwidth_factor * hbm_to_ddr_mem_bw) / 10
             raise ValueError(f"IBP customized_kernel has no {compute_device} implementation to cost")
         return super().get_device_bw(compute_device, compute_kernel, hbm_mem_bw, ddr_mem_bw, ssd_mem_bw,
                                      hbm_to_ddr_mem_bw, caching_ratio, prefetch_pipeline)
@@ -92,7 +106,10 @@ class IBPPerfEstimatorConfig(EmbeddingPerfEstimatorConfig):
 class IBPStorageEstimator(EmbeddingStorageEstimator):
     """TorchRec's storage estimator, with IBP shards counted at their compressed size.
 
-    An IBP shard costs host memory (DDR) of raw_bytes / ratio and no optimizer state.
+    An IBP shard costs host memory (DDR) of raw_bytes / ratio plus, when training, its
+    optimizer state (uncompressed, on the host, as TorchRec counts it). On CUDA it also
+    costs HBM for its cache: cache_load_factor x the shard's decoded rows plus the
+    cache's bookkeeping (ibp_embed.cache.RowCache: 4 bytes a row, 24 a cached row).
     The ratio of a table is, in order: compression_ratios[name]; measured by
     compressing a sample of up to sample_rows rows when the planned tensor holds values;
     default_ratio (1.0 when nothing is known: conservative).
@@ -149,27 +166,37 @@ class IBPStorageEstimator(EmbeddingStorageEstimator):
                     getattr(so.tensor, "_optimizer_classes", [None])[0], shape)
             except ImportError:  # pragma: no cover - private helper moved
                 opt_mult = 0.0
+            clf = self._cache_load_factor(so) if self._topology.compute_device == "cuda" else 0.0
             for shard in so.shards:
                 if shard.storage is None:
                     continue
                 raw = math.ceil(tensor_bytes * math.prod(shard.size) / math.prod(shape))
                 stock = raw + math.ceil(raw * opt_mult)
-                compressed = math.ceil(raw / ratio)
+                host = math.ceil(raw / ratio) + math.ceil(raw * opt_mult)
                 if self._topology.compute_device == "cpu":
-                    ddr = max(shard.storage.ddr - stock, 0) + compressed
+                    ddr = max(shard.storage.ddr - stock, 0) + host
                     shard.storage = Storage(hbm=shard.storage.hbm, ddr=ddr, ssd=shard.storage.ssd)
-                else:  # host memory, whatever the compute device
-                    hbm = max(shard.storage.hbm - stock, 0)
-                    shard.storage = Storage(hbm=hbm, ddr=shard.storage.ddr + compressed, ssd=shard.storage.ssd)
+                else:  # host memory, whatever the compute device; the cache in HBM
+                    rows = shard.size[0]
+                    cached = int(clf * rows)
+                    cache = math.ceil(raw * cached / rows) + 4 * rows + 24 * cached if cached else 0
+                    hbm = max(shard.storage.hbm - stock, 0) + cache
+                    shard.storage = Storage(hbm=hbm, ddr=shard.storage.ddr + host, ssd=shard.storage.ssd)
+
+    @staticmethod
+    def _cache_load_factor(so: ShardingOption) -> float:
+        clf = so.cache_load_factor
+        return float(clf) if clf else 0.0
 
 
 def ibp_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None, *,
                    compression_ratios: Optional[Dict[str, float]] = None, default_ratio: float = 1.0,
-                   cpu_bandwidth_factor: float = DEFAULT_CPU_BANDWIDTH_FACTOR, is_inference: bool = False,
+                   cpu_bandwidth_factor: float = DEFAULT_CPU_BANDWIDTH_FACTOR,
+                   cuda_bandwidth_factor: float = DEFAULT_CUDA_BANDWIDTH_FACTOR, is_inference: bool = False,
                    codec_options: Optional[Dict[str, Any]] = None) -> list:
     """[perf, storage] estimators for EmbeddingEnumerator that can cost customized_kernel."""
     perf = EmbeddingPerfEstimator(topology=topology, constraints=constraints, is_inference=is_inference,
-                                  config=IBPPerfEstimatorConfig(cpu_bandwidth_factor))
+                                  config=IBPPerfEstimatorConfig(cpu_bandwidth_factor, cuda_bandwidth_factor))
     storage = IBPStorageEstimator(topology=topology, constraints=constraints, is_inference=is_inference,
                                   compression_ratios=compression_ratios, default_ratio=default_ratio,
                                   codec_options=codec_options)
