@@ -79,10 +79,7 @@ int ibp_set_isa(int isa)
 
 uint64_t ibp_tail_pad(uint32_t row_bytes, uint32_t word_bits)
 {
-    /* A corrupt header can make a decoder read a whole row's worth of words
-     * from any row start, plus the 128-byte window of the AVX-512 bit reader. */
-    uint32_t B = word_bits / 8 ? word_bits / 8 : 1;
-    return (uint64_t)(row_bytes + B - 1) / B * B + (row_bytes + 7) / 8 + 136;
+    return ibp_tail_pad_bytes(row_bytes, word_bits); /* ibp_bits.h, shared with the CUDA code */
 }
 
 uint32_t ibp_rel_bytes(uint32_t row_bytes)

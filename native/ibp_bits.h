@@ -119,6 +119,20 @@ IBP_HD uint64_t ibp_deposit(uint64_t x, uint64_t mask, uint32_t word_bits)
     return out;
 }
 
+/* Readable bytes every payload holds after its last row (ibp_tail_pad in ibp.h,
+ * the one definition, shared by libibp and the CUDA kernels). A corrupt header
+ * can make a decoder read a whole row's worth of words (row_bytes rounded up to
+ * words) plus the header bits from any row start; on top of that comes the
+ * widest bit reader's window: the AVX-512 decoder's 128-byte window + 8. The
+ * CUDA kernels read less past a row (at most 12 bytes past a field, 15 bytes of
+ * 16-byte granule slack) and register or copy exactly this span. Host payloads
+ * are allocated with it, so it must never shrink. */
+IBP_HD uint64_t ibp_tail_pad_bytes(uint32_t row_bytes, uint32_t word_bits)
+{
+    uint32_t B = word_bits / 8 ? word_bits / 8 : 1;
+    return (uint64_t)(row_bytes + B - 1) / B * B + (row_bytes + 7) / 8 + 136;
+}
+
 /* A word of the decoded row: participating words get their invariant bits back. */
 IBP_HD uint64_t ibp_decode_word(uint64_t field, int participating, uint64_t mask,
                                 uint64_t bitval, uint32_t word_bits)

@@ -367,6 +367,26 @@ def test_emulation_handles_an_unaligned_payload(cuda_lib):
     assert torch.equal(cuda.emulate_gather(t2, np.arange(100)), w)
 
 
+# ---- the format's tail pad: one definition ----
+
+def test_tail_pad_is_the_formats_one_and_the_cuda_code_shares_it():
+    """ibp_tail_pad (libibp) is docs/format.md's formula, and the CUDA code computes
+    the span it registers or copies from the same inline function (ibp_bits.h)."""
+    lib = ibp_embed._native.lib
+    for row_bytes in (1, 2, 3, 7, 8, 40, 82, 512, 4096, 120000):
+        for w in (16, 32, 64):
+            b = w // 8
+            assert lib.ibp_tail_pad(row_bytes, w) == -(-row_bytes // b) * b + -(-row_bytes // 8) + 136
+    bits = (ROOT / "native" / "ibp_bits.h").read_text()
+    assert "IBP_HD uint64_t ibp_tail_pad_bytes(" in bits
+    assert "return ibp_tail_pad_bytes(" in (ROOT / "native" / "ibp.c").read_text()
+    for src in sorted(CUDA_DIR.glob("*.cu*")):
+        text = src.read_text()
+        assert "+ 17" not in text and not re.search(r"\btail_pad\s*\(", text), src.name
+    uses = [p.name for p in CUDA_DIR.glob("*.cu") if "ibp_tail_pad_bytes(" in p.read_text()]
+    assert sorted(uses) == ["emulate.cu", "ibp_cuda_api.cu"]
+
+
 # ---- (d): on a GPU ----
 
 def _has_gpu() -> bool:

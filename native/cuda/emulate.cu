@@ -30,12 +30,6 @@ struct HostTable {
     ~HostTable() { free(aligned_copy); }
 };
 
-uint64_t tail_pad(uint32_t row_bytes, uint32_t word_bits)
-{
-    uint32_t B = word_bits / 8;
-    return (uint64_t)(row_bytes + B - 1) / B * B + (row_bytes + 7) / 8 + 17;
-}
-
 int host_table(const ibp_table *h, HostTable *ht)
 {
     if (!h)
@@ -59,7 +53,7 @@ int host_table(const ibp_table *h, HostTable *ht)
     t.rel = h->rel;
     t.payload = h->payload;
     if ((uintptr_t)h->payload % kChunk) {
-        uint64_t span = h->payload_bytes + tail_pad(cb.row_bytes, cb.word_bits);
+        uint64_t span = h->payload_bytes + ibp_tail_pad_bytes(cb.row_bytes, cb.word_bits);
         ht->aligned_copy = (uint8_t *)aligned_alloc(kChunk, (span + kChunk - 1) / kChunk * kChunk);
         if (!ht->aligned_copy)
             return fail(IBP_CUDA_E_NOMEM, "emulate: no memory for an aligned payload copy");

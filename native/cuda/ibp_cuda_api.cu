@@ -34,12 +34,6 @@ bool is_no_device(cudaError_t e)
            e == cudaErrorSystemNotReady || e == cudaErrorInvalidDevice;
 }
 
-uint64_t tail_pad(uint32_t row_bytes, uint32_t word_bits)
-{
-    uint32_t B = word_bits / 8;
-    return (uint64_t)(row_bytes + B - 1) / B * B + (row_bytes + 7) / 8 + 17;
-}
-
 /* Makes a device current for a scope and restores the caller's afterwards. */
 struct DeviceGuard {
     int prev = -1, dev, rc = IBP_CUDA_OK;
@@ -464,7 +458,7 @@ int ibp_cuda_table_create(const ibp_table *h, int device, int placement, ibp_cud
     t->dev.n_clusters = cb.n_clusters;
     t->dev.rel_bytes = h->rel_bytes;
     t->payload_bytes = h->payload_bytes;
-    t->payload_span = h->payload_bytes + tail_pad(cb.row_bytes, cb.word_bits);
+    t->payload_span = h->payload_bytes + ibp_tail_pad_bytes(cb.row_bytes, cb.word_bits);
     rc = IBP_CUDA_OK;
     cudaError_t e = cudaDeviceGetAttribute(&t->sm_count, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess)
