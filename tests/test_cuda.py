@@ -305,12 +305,29 @@ def test_emulated_lookup_matches_libibp(cuda_lib, case, dedup):
         pytest.skip("pooled lookups are for float tables")
     idx, off, weights = _batch(t.shape[0], 700, 64, 1)
     for mode in ("sum", "mean"):
-        ref = t.lookup(idx, off, None, mode)
-        got = cuda.emulate_lookup(t, idx, off, None, mode, dedup)
-        assert torch.equal(got, ref), (mode, (got - ref).abs().max())  # same order, same sums
-        ref = t.lookup(idx, off, weights, mode)
-        got = cuda.emulate_lookup(t, idx, off, weights, mode, dedup)
-        _assert_pooled_close(got, ref, w, idx, off, weights, mode)
+        for wts in (None, weights):
+            # Same order, same arithmetic (weighted: fmaf(w, x, acc) in both): the same bits.
+            ref = t.lookup(idx, off, wts, mode)
+            got = cuda.emulate_lookup(t, idx, off, wts, mode, dedup)
+            assert torch.equal(got, ref), (mode, wts is not None, float((got - ref).abs().max()))
+
+
+def test_emulated_weighted_pooling_uses_fma(cuda_lib):
+    """The kernels pool weighted rows with one rounding, fma(w, x, acc), as libibp's
+    fmaf does. Here acc = -(1 + 2^-11) after the first row, and the second adds
+    (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: one rounding keeps 2^-24, two (the product
+    rounds to 1 + 2^-11 first) give 0."""
+    x = torch.tensor([[1.0 + 2.0 ** -11], [1.0 + 2.0 ** -12]], dtype=torch.float32)
+    t = ibp_embed.compress(x, word_bits=32)
+    idx, off = np.array([0, 1]), np.array([0, 2])
+    wts = np.array([-1.0, 1.0 + 2.0 ** -12], np.float32)
+    twice = np.float32(np.float32(wts[1] * np.float32(x[1, 0].item())) - np.float32(x[0, 0].item()))
+    assert twice == 0.0
+    assert t.lookup(idx, off, wts)[0, 0].item() == 2.0 ** -24
+    for dedup in (True, False):
+        assert cuda.emulate_lookup(t, idx, off, wts, dedup=dedup)[0, 0].item() == 2.0 ** -24
+
+
 
 
 def test_emulated_lookup_edge_cases(cuda_lib):

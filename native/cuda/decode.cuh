@@ -18,6 +18,7 @@
 #ifndef IBP_CUDA_DECODE_CUH
 #define IBP_CUDA_DECODE_CUH
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -295,10 +296,19 @@ IBPC_HD float row_elem(const uint8_t *row, uint32_t d, int dtype)
     return dtype == IBP_DTYPE_BF16 ? bits_to_float((uint32_t)h << 16) : half_bits_to_float(h);
 }
 
-/* One pooling step, in libibp's order: acc += w * x (weighted) or acc += x. */
+/* One pooling step, in libibp's order: acc = fma(w, x, acc) (weighted: one
+ * rounding, as libibp's fmaf(w, x, acc) and FBGEMM) or acc + x. The fma is
+ * explicit on both sides: left to the compilers, nvcc contracts w * x + acc
+ * into an fma (its default -fmad=true) while the host compiler, for x86-64
+ * without FMA, rounds twice, and the emulation would not be the kernels'
+ * arithmetic. */
 IBPC_HD float pool_step(float acc, float x, const float *weights, uint64_t p)
 {
-    return weights ? acc + weights[p] * x : acc + x;
+#if defined(__CUDA_ARCH__)
+    return weights ? __fmaf_rn(weights[p], x, acc) : __fadd_rn(acc, x);
+#else
+    return weights ? fmaf(weights[p], x, acc) : acc + x;
+#endif
 }
 
 IBPC_HD float pool_finish(float acc, int mode, uint64_t lo, uint64_t hi)
