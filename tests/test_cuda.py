@@ -404,6 +404,20 @@ def test_tail_pad_is_the_formats_one_and_the_cuda_code_shares_it():
     assert sorted(uses) == ["emulate.cu", "ibp_cuda_api.cu"]
 
 
+# ---- the build on other machines ----
+
+def test_makefile_werror_can_be_dropped():
+    """CI builds with -Werror; `make WERROR=` (gpu_check.sh on the GPU machine) without."""
+    def commands(*extra):
+        proc = subprocess.run(["make", "-n", "-B", "lib", *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in proc.stdout.splitlines() if " -c native/" in line]
+    default, relaxed = commands(), commands("WERROR=")
+    assert default and all("-Werror" in c for c in default)
+    assert len(relaxed) == len(default) and not any("-Werror" in c for c in relaxed)
+
+
 # ---- (d): on a GPU ----
 
 def _has_gpu() -> bool:
