@@ -2,10 +2,15 @@
 
 Without a GPU: the CUDA sources compile warning-free with the Makefile's nvcc
 flags, ptxas reports no local-memory spills in the kernels, the library loads
-and reports "no CUDA device", and the kernels' per-lane decoding and pooling
-code, run lane by lane on the host (ibp_cuda_emulate_*), matches libibp.
+and reports "no CUDA device", and the kernels' code run on the host
+(ibp_cuda_emulate_*: the kernels' own per-warp loops over an emulated grid, the
+per-lane decoding lane by lane, the same pooling arithmetic) matches libibp bit
+for bit, gathers and lookups (weighted ones too: both use fma), also with many
+rows and bags per warp.
 With a GPU (marked `gpu`): CudaTable against the CPU path, bit for bit for
-gathers and within 1e-6 relative for pooling, and the row cache on the device.
+gathers and within 1e-6 relative for pooling (bit for bit in the large test,
+whose batches give every warp of every kernel several rows and bags), and the
+row cache on the device.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -404,6 +410,89 @@ def test_tail_pad_is_the_formats_one_and_the_cuda_code_shares_it():
     assert sorted(uses) == ["emulate.cu", "ibp_cuda_api.cu"]
 
 
+# ---- many rows and bags per warp: the kernels' loops ----
+
+# The row kernels' grid on an H100/H200 (132 SMs, 4 blocks of 8 warps an SM).
+H100_GRID_WARPS = 132 * 32
+LOOP_CASES = [  # (dtype, dim, word_bits): every word size, every element type
+    (torch.float32, 64, 32), (torch.float16, 72, 64), (torch.bfloat16, 40, 16)]
+LOOP_IDS = ["f32-d64-w32", "f16-d72-w64", "bf16-d40-w16"]
+
+
+@pytest.fixture
+def emulated_grid(cuda_lib):
+    """Set the emulated grid's warps for a test; the default again after it."""
+    yield lambda warps: cuda_lib.ibp_cuda_emulate_grid(warps)
+    cuda_lib.ibp_cuda_emulate_grid(0)
+
+
+def _loop_table(dtype, dim, word_bits, n_rows, seed=0):
+    w = _mixed(n_rows, dim, dtype, seed)
+    t = ibp_embed.compress(w, word_bits=word_bits, clusters=4, progress=False)
+    lengths = t.row_lengths()
+    assert (lengths == dim * w.dtype.itemsize).any() and (lengths < dim * w.dtype.itemsize).any()
+    return w, t
+
+
+def _loop_batch(n_rows, n_ids, n_bags, grid, seed):
+    """A batch with duplicates, single-id bags and a run of 2 x grid + 1 empty bags
+    (every warp's seek passes over two of them); the caller makes the other bags
+    outnumber the grid's warps several times."""
+    idx, off, w = _batch(n_rows, n_ids, n_bags, seed)
+    lo, run = n_bags // 3, 2 * grid + 1
+    off[lo:lo + run + 1] = off[lo]
+    off[2 * n_bags // 3:2 * n_bags // 3 + 50] = np.arange(50) + off[2 * n_bags // 3]
+    off = np.maximum.accumulate(off)
+    off[-1] = n_ids
+    assert (np.diff(off) >= 0).all() and (np.diff(off) == 0).sum() >= run
+    return idx, off, w
+
+
+def _check_loops(t, gather, lookup, idx, off, wts):
+    """gather and every lookup variant against libibp, bit for bit."""
+    assert torch.equal(_raw(gather(idx)), _raw(t.gather(idx)))
+    for mode in ("sum", "mean"):
+        for weights in (None, wts):
+            ref = t.lookup(idx, off, weights, mode)
+            for dedup in (True, False):
+                got = lookup(idx, off, weights, mode, dedup)
+                assert torch.equal(got, ref), (mode, weights is not None, dedup,
+                                               float((got - ref).abs().max()))
+
+
+@pytest.mark.parametrize("dtype,dim,word_bits", LOOP_CASES, ids=LOOP_IDS)
+def test_emulated_kernels_walk_many_rows_and_bags_per_warp(cuda_lib, emulated_grid, dtype, dim,
+                                                           word_bits):
+    """200,000 ids in 20,000 bags (and a run of 8,449 empty ones) on an H100-sized
+    grid (4,224 warps): each warp decodes ~47 rows of the gather and of the
+    dedup's distinct rows, and pools ~5 bags, so the next-row prefetch, the buffer
+    swap and the move to the next bag run many times, in the kernels' own loop
+    code (loops.cuh)."""
+    emulated_grid(H100_GRID_WARPS)
+    n_ids, n_bags, n_rows = 200_000, 20_000 + 2 * H100_GRID_WARPS + 1, 30_000
+    w, t = _loop_table(dtype, dim, word_bits, n_rows)
+    idx, off, wts = _loop_batch(n_rows, n_ids, n_bags, H100_GRID_WARPS, 7)
+    assert np.unique(idx).size > 4 * H100_GRID_WARPS and n_bags > 4 * H100_GRID_WARPS
+    _check_loops(t, lambda i: cuda.emulate_gather(t, i),
+                 lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts)
+
+
+@pytest.mark.parametrize("warps", [1, 3, 16, 257, 100_000])
+def test_emulated_results_do_not_depend_on_the_grid(cuda_lib, emulated_grid, warps):
+    """One warp doing everything, odd grids, and more warps than items: the same bits."""
+    emulated_grid(warps)
+    w, t = _loop_table(torch.float32, 24, 64, 500, seed=3)
+    idx, off, wts = _loop_batch(500, 3000, 400, 20, 9)
+    _check_loops(t, lambda i: cuda.emulate_gather(t, i),
+                 lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts)
+
+
+def test_emulated_grid_setting(cuda_lib, emulated_grid):
+    assert emulated_grid(7) == 16  # the default
+    assert emulated_grid(0) == 7
+    assert cuda_lib.ibp_cuda_emulate_grid(0) == 16
+
+
 # ---- the build on other machines ----
 
 def test_makefile_werror_can_be_dropped():
@@ -481,6 +570,51 @@ def test_gpu_lookup_matches_cpu(gpu_ready, case, dedup, placement):
             assert got.device == gpu_ready and got.shape == ref.shape
             _assert_pooled_close(got, ref, w, idx, off, wts, mode)
     ct.close()
+
+
+def _loop_sizes(props) -> tuple[int, int, int, int]:
+    """(ids, bags, table rows, grid warps) such that every warp of every kernel's grid
+    gets several items on this device: the row kernels' grids hold at most the
+    SMs' resident warps (64 an SM on sm_80/sm_90), the dedup pooling kernel's at
+    most 16 blocks of 8 warps an SM."""
+    sms = props.multi_processor_count
+    grid = sms * getattr(props, "max_threads_per_multi_processor", 2048) // 32
+    pool_grid = sms * 16 * 8
+    n_bags = max(20_000, 2 * max(grid, pool_grid) + 1) + 2 * grid + 1  # + _loop_batch's empty run
+    n_ids = max(200_000, 10 * n_bags)
+    n_rows = max(30_000, 4 * grid)  # the dedup path's distinct rows outnumber the grid too
+    return n_ids, n_bags, n_rows, grid
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("placement", ["host", "device"])
+@pytest.mark.parametrize("dtype,dim,word_bits", LOOP_CASES, ids=LOOP_IDS)
+def test_gpu_kernels_walk_many_rows_and_bags_per_warp(gpu_ready, placement, dtype, dim, word_bits):
+    """More rows (gather, and the dedup's distinct rows) and more bags (fused,
+    dedup pooling) than the grids hold warps, so every warp runs the
+    next-row prefetch, the buffer swap and the move to its next bag several
+    times; checked bit for bit against libibp (the kernels pool in libibp's
+    order with fma, as the emulation, whose same sizes pass without a GPU)."""
+    props = torch.cuda.get_device_properties(gpu_ready)
+    n_ids, n_bags, n_rows, grid = _loop_sizes(props)
+    w, t = _loop_table(dtype, dim, word_bits, n_rows)
+    idx, off, wts = _loop_batch(n_rows, n_ids, n_bags, grid, 7)
+    assert np.unique(idx).size > 2 * grid and idx.size > 2 * grid
+    ct = cuda.CudaTable(t, gpu_ready, placement=placement)
+    info = ct.info()
+    assert info["staged"] and info["warps_per_block"] * 32 <= 1024
+    dev = gpu_ready
+
+    def to_dev(x):
+        return None if x is None else torch.from_numpy(np.asarray(x)).to(dev)
+
+    def lookup(i, o, wt, mode, dedup):
+        return ct.lookup(to_dev(i), to_dev(o), to_dev(wt), mode, dedup=dedup).cpu()
+    try:
+        _check_loops(t, lambda i: ct.gather(to_dev(i)).cpu(), lookup, idx, off, wts)
+    finally:
+        ct.close()
 
 
 @gpu

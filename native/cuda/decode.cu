@@ -6,7 +6,7 @@
  * decodes row r from one stage buffer, the cp.async copy of its next row,
  * r + stride, fills the other: the latency of the read (PCIe for a payload in
  * pinned host memory, about a microsecond) overlaps the decode of the row
- * before. The rows a warp is given in a lookup are sorted and distinct, so the
+ * before. That loop is gather_loop (loops.cuh), which emulate.cu runs too. The rows a warp is given in a lookup are sorted and distinct, so the
  * reads of the grid sweep the payload in address order.
  */
 #include "cuda/ibp_cuda_internal.cuh"
@@ -36,6 +36,22 @@ struct RowSource {
     }
 };
 
+/* The gather kernel's Warp (loops.cuh): rows from a RowSource, decoded into out. */
+template <uint32_t W, bool kStaged>
+struct GatherWarp : DeviceWarp<W, kStaged> {
+    const RowSource &src;
+    uint8_t *out;
+    bool aligned;
+
+    __device__ __forceinline__ uint64_t row_id(uint64_t r) const { return src.row(r); }
+    __device__ __forceinline__ int decode_to(const RowRef &ref, const uint8_t *stage, uint64_t r)
+    {
+        RowStore<W> sink{out + r * this->t.row_bytes, this->t.row_bytes, aligned};
+        return warp_decode_row<W>(this->t, this->m, ref, this->row_bytes_at(ref, stage), this->lane,
+                                  sink);
+    }
+};
+
 template <uint32_t W, bool kStaged>
 __global__ void IBPC_ROW_KERNEL_BOUNDS
 ibp_gather_rows_kernel(DevTable t, Geometry g, RowSource src, uint8_t *out)
@@ -43,38 +59,11 @@ ibp_gather_rows_kernel(DevTable t, Geometry g, RowSource src, uint8_t *out)
     extern __shared__ __align__(16) uint8_t smem[];
     const Meta m = load_meta(t, g, smem);
     const uint32_t lane = threadIdx.x & (kWarp - 1), warp = threadIdx.x / kWarp;
-    const uint64_t n = src.size();
-    const uint64_t stride = (uint64_t)gridDim.x * g.warps;
-    uint64_t r = (uint64_t)blockIdx.x * g.warps + warp;
     uint8_t *stage = smem + g.meta_bytes + warp * g.warp_bytes;
-    uint8_t *next_stage = stage + g.stage_bytes;
-    const bool aligned = (uintptr_t)out % (W / 8) == 0 && t.row_bytes % (W / 8) == 0;
-    int status = 0;
-
-    RowRef cur = {};
-    if (r < n)
-        cur = issue_row<kStaged>(t, src.row(r), stage, lane);
-    if (kStaged)
-        __pipeline_commit();
-    /* r is the same in all lanes: the loop, and every shuffle in it, is warp-uniform. */
-    for (; r < n; r += stride) {
-        RowRef nxt = {};
-        if (r + stride < n)
-            nxt = issue_row<kStaged>(t, src.row(r + stride), next_stage, lane);
-        if (kStaged) {
-            __pipeline_commit();
-            __pipeline_wait_prior(1); /* this lane's copies of row r have landed */
-            __syncwarp();             /* ... and every other lane's */
-        }
-        RowStore<W> sink{out + r * t.row_bytes, t.row_bytes, aligned};
-        status |= warp_decode_row<W>(t, m, cur, kStaged ? stage + cur.offset : cur.src, lane, sink);
-        if (kStaged)
-            __syncwarp(); /* all lanes are done with `stage` before it is refilled */
-        uint8_t *s = stage;
-        stage = next_stage;
-        next_stage = s;
-        cur = nxt;
-    }
+    GatherWarp<W, kStaged> w{{t, m, stage, stage + g.stage_bytes, lane}, src, out,
+                             (uintptr_t)out % (W / 8) == 0 && t.row_bytes % (W / 8) == 0};
+    const int status = gather_loop(w, (uint64_t)blockIdx.x * g.warps + warp, src.size(),
+                                   (uint64_t)gridDim.x * g.warps);
     if (status && lane == 0)
         atomicOr(t.status, status);
 }

@@ -248,6 +248,15 @@ IBPC_HD void store_word(uint8_t *out, uint32_t j, uint64_t w, uint32_t row_bytes
         out[at + b] = (uint8_t)(w >> (8 * b));
 }
 
+/* Stores decoded words into a row of memory (global for gathers, shared for pooling). */
+template <uint32_t W>
+struct RowStore {
+    uint8_t *out;
+    uint32_t row_bytes;
+    bool aligned;
+    IBPC_HD void put(uint32_t j, uint64_t w) { store_word<W>(out, j, w, row_bytes, aligned); }
+};
+
 /* ---- elements and pooling (shared by the pooling kernels and the emulation) ---- */
 
 IBPC_HD float half_bits_to_float(uint16_t h)

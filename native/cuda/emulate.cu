@@ -1,21 +1,27 @@
 /* emulate.cu - the kernels' decoding and pooling code run on the host.
  *
  * ibp_cuda_emulate_gather / _lookup take a host ibp_table and do what the
- * kernels do, with the same __host__ __device__ functions (decode.cuh): each row
- * is "staged" into a 16-byte aligned buffer exactly as the cp.async copy lays
- * it out (the rest of the buffer filled with junk, as shared memory would be),
- * the 32 lanes of a warp are run one after the other for each step (lane_bits,
- * the scan, lane_word), and pooling goes through the same per-element functions
- * in the same order. What this cannot check is what only hardware does: the
- * shuffles, cp.async, barriers, launch geometry and CUB.
+ * kernels do, with the same __host__ __device__ code: the kernels' per-warp
+ * loops (gather_loop, pool_loop in loops.cuh) run for every warp of an emulated
+ * grid (ibp_cuda_emulate_grid warps, one warp after the other: warps share
+ * nothing but the output), so a warp walks several rows or bags, issuing each
+ * next row's copy before decoding the current one, exactly as on the device.
+ * Each row is "staged" into a 16-byte aligned buffer as the cp.async copy lays
+ * it out (the buffer filled with junk first, as shared memory would be), the
+ * 32 lanes of a warp are run one after the other for each step (lane_bits, the
+ * scan, lane_word), and pooling goes through the same per-element functions
+ * (fma included) in the same order. What this cannot check is what only
+ * hardware does: the shuffles, cp.async, barriers, launch geometry and CUB.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "cuda/ibp_cuda_internal.cuh"
+#include "cuda/loops.cuh"
 
 namespace ibpcuda {
 namespace {
@@ -71,27 +77,27 @@ int host_table(const ibp_table *h, HostTable *ht)
     return IBP_CUDA_OK;
 }
 
+/* Warps of the emulated grid (ibp_cuda_emulate_grid). The default is small, so
+ * that the tests' batches of a few hundred rows already give every warp several
+ * rows and bags. */
+constexpr uint32_t kDefaultGridWarps = 16;
+std::atomic<uint32_t> g_grid_warps{kDefaultGridWarps};
+
 /* A warp's decode of one row (warp_decode_row in warp_decode.cuh), lane by lane. */
-template <uint32_t W>
-int emulate_row(const DevTable &t, const Meta &m, uint64_t row, uint8_t *stage, uint8_t *out,
-                bool aligned)
+template <uint32_t W, class Sink>
+int emulate_decode(const DevTable &t, const Meta &m, const RowRef &r, const uint8_t *p, Sink &sink)
 {
     const uint32_t M = t.n_words;
-    RowRef r = locate_row(t, row);
-    /* The cp.async staging: granules from the 16-byte boundary below the row. */
-    memset(stage, 0xA5, stage_bytes_for(M, W));
-    if (r.len)
-        memcpy(stage, r.src - r.offset, (size_t)stage_chunks(r) * kChunk);
     int status = r.status;
     RowCode c;
     if (!status) {
-        c = row_code(m, stage + r.offset, r.len, t.row_bytes, M, t.n_clusters);
+        c = row_code(m, p, r.len, t.row_bytes, M, t.n_clusters);
         if (c.bad)
             status = kStatusCorrupt;
     }
     if (status) {
         for (uint32_t j = 0; j < M; j++)
-            store_word<W>(out, j, 0, t.row_bytes, aligned);
+            sink.put(j, 0);
         return status;
     }
     uint64_t base = 0;
@@ -104,22 +110,11 @@ int emulate_row(const DevTable &t, const Meta &m, uint64_t row, uint8_t *stage, 
         for (uint32_t lane = 0; lane < kWarp; lane++) {
             uint32_t j = j0 + lane;
             if (j < M)
-                store_word<W>(out, j, lane_word<W>(c, j, part[lane], base + (incl[lane] - n[lane]), n[lane]),
-                              t.row_bytes, aligned);
+                sink.put(j, lane_word<W>(c, j, part[lane], base + (incl[lane] - n[lane]), n[lane]));
         }
         base += incl[kWarp - 1];
     }
     return row_consistent(c, base) ? 0 : kStatusCorrupt;
-}
-
-int emulate_row_any(const DevTable &t, const Meta &m, uint64_t row, uint8_t *stage, uint8_t *out,
-                    bool aligned)
-{
-    switch (t.word_bits) {
-    case 16: return emulate_row<16>(t, m, row, stage, out, aligned);
-    case 32: return emulate_row<32>(t, m, row, stage, out, aligned);
-    default: return emulate_row<64>(t, m, row, stage, out, aligned);
-    }
 }
 
 struct Aligned {
@@ -128,10 +123,131 @@ struct Aligned {
     ~Aligned() { free(p); }
 };
 
+/* The host's Warp (loops.cuh): one thread stands for the 32 lanes, copies are
+ * immediate, barriers are no-ops. Stage buffers get junk, then the row's granules. */
+struct HostWarp {
+    uint8_t *stage0, *stage1;
+    uint32_t stage_bytes;
+    static constexpr uint32_t lane = 0, lanes = 1;
+    void commit() {}
+    void wait() {}
+    void sync() {}
+    RowRef stage_row(const RowRef &r, uint8_t *stage) const
+    {
+        memset(stage, 0xA5, stage_bytes);
+        if (r.len)
+            memcpy(stage, r.src - r.offset, (size_t)stage_chunks(r) * kChunk);
+        return r;
+    }
+};
+
+/* Rows of an IBP table, decoded lane by lane: into gather output rows ... */
+template <uint32_t W>
+struct HostGatherWarp : HostWarp {
+    const DevTable &t;
+    const Meta &m;
+    const int64_t *idx;     /* rows to decode: int64 ids, or */
+    const uint32_t *urows;  /* uint32 row ids (the dedup path) */
+    uint8_t *out;
+    bool aligned;
+
+    RowRef issue(uint64_t row, uint8_t *stage) { return stage_row(locate_row(t, row), stage); }
+    uint64_t row_id(uint64_t r) const { return idx ? (uint64_t)idx[r] : (uint64_t)urows[r]; }
+    int decode_to(const RowRef &ref, const uint8_t *stage, uint64_t r)
+    {
+        RowStore<W> sink{out + r * t.row_bytes, t.row_bytes, aligned};
+        return emulate_decode<W>(t, m, ref, stage + ref.offset, sink);
+    }
+};
+
+/* ... or into the fused lookup's row buffer. */
+template <uint32_t W>
+struct HostFusedWarp : HostWarp {
+    const DevTable &t;
+    const Meta &m;
+    uint8_t *row;
+    float *acc;
+
+    RowRef issue(uint64_t row_id, uint8_t *stage) { return stage_row(locate_row(t, row_id), stage); }
+    const uint8_t *decode(const RowRef &ref, const uint8_t *stage, int &status)
+    {
+        RowStore<W> sink{row, t.row_bytes, true};
+        status |= emulate_decode<W>(t, m, ref, stage + ref.offset, sink);
+        return row;
+    }
+};
+
+/* The gather kernel over the emulated grid: rows idx[0..n) or urows[0..n) into out. */
+template <uint32_t W>
+int emulate_gather_grid(const HostTable &ht, const int64_t *idx, const uint32_t *urows, uint64_t n,
+                        uint8_t *out)
+{
+    const DevTable &t = ht.t;
+    const uint32_t sb = stage_bytes_for(t.n_words, W);
+    Aligned s0(sb), s1(sb);
+    if (!s0.p || !s1.p)
+        return -1;
+    HostGatherWarp<W> w{{s0.p, s1.p, sb}, t, ht.m, idx, urows, out,
+                        (uintptr_t)out % (W / 8) == 0 && t.row_bytes % (W / 8) == 0};
+    const uint64_t grid = g_grid_warps.load();
+    int status = 0;
+    for (uint64_t warp = 0; warp < grid; warp++)
+        status |= gather_loop(w, warp, n, grid);
+    return status;
+}
+
+int gather_grid(const HostTable &ht, const int64_t *idx, const uint32_t *urows, uint64_t n,
+                uint8_t *out)
+{
+    switch (ht.t.word_bits) {
+    case 16: return emulate_gather_grid<16>(ht, idx, urows, n, out);
+    case 32: return emulate_gather_grid<32>(ht, idx, urows, n, out);
+    default: return emulate_gather_grid<64>(ht, idx, urows, n, out);
+    }
+}
+
+/* The fused lookup kernel over the emulated grid. */
+template <uint32_t W>
+int emulate_fused_grid(const HostTable &ht, const FusedArgs &a)
+{
+    const DevTable &t = ht.t;
+    const uint32_t sb = stage_bytes_for(t.n_words, W);
+    Aligned s0(sb), s1(sb), row(round_up(t.n_words * (W / 8), kChunk));
+    std::vector<float> acc(a.dim);
+    if (!s0.p || !s1.p || !row.p)
+        return -1;
+    HostFusedWarp<W> w{{s0.p, s1.p, sb}, t, ht.m, row.p, acc.data()};
+    const uint64_t grid = g_grid_warps.load();
+    int status = 0;
+    for (uint64_t warp = 0; warp < grid; warp++)
+        status |= pool_loop(w, a, warp, grid);
+    return status;
+}
+
+int check_lookup_args(int dtype, uint32_t dim, uint32_t row_bytes, int mode, uint64_t n_indices,
+                      const int64_t *indices, const int64_t *offsets, uint64_t n_bags,
+                      const float *out, const char *what)
+{
+    if (dtype != IBP_DTYPE_F32 && dtype != IBP_DTYPE_F16 && dtype != IBP_DTYPE_BF16)
+        return fail(IBP_CUDA_E_ARG, "%s: dtype %d", what, dtype);
+    if ((uint64_t)dim * (dtype == IBP_DTYPE_F32 ? 4 : 2) != row_bytes)
+        return fail(IBP_CUDA_E_ARG, "%s: dim %u does not match rows of %u bytes", what, dim, row_bytes);
+    if (mode != IBP_POOL_SUM && mode != IBP_POOL_MEAN)
+        return fail(IBP_CUDA_E_ARG, "%s: pooling mode %d", what, mode);
+    if ((n_bags && (!offsets || !out)) || (n_indices && !indices))
+        return fail(IBP_CUDA_E_ARG, "%s: null pointer", what);
+    return IBP_CUDA_OK;
+}
+
 } /* namespace */
 } /* namespace ibpcuda */
 
 using namespace ibpcuda;
+
+extern "C" uint32_t ibp_cuda_emulate_grid(uint32_t warps)
+{
+    return g_grid_warps.exchange(warps ? warps : kDefaultGridWarps);
+}
 
 extern "C" int ibp_cuda_emulate_gather(const ibp_table *table, const int64_t *indices, uint64_t n,
                                        uint8_t *out)
@@ -142,15 +258,9 @@ extern "C" int ibp_cuda_emulate_gather(const ibp_table *table, const int64_t *in
         return rc;
     if (n && (!indices || !out))
         return fail(IBP_CUDA_E_ARG, "emulate_gather: null indices or output");
-    const DevTable &t = ht.t;
-    Aligned stage(stage_bytes_for(t.n_words, t.word_bits));
-    if (!stage.p)
+    int status = gather_grid(ht, indices, nullptr, n, out);
+    if (status < 0)
         return fail(IBP_CUDA_E_NOMEM, "emulate_gather: no memory");
-    const uint32_t B = t.word_bits / 8;
-    const bool aligned = (uintptr_t)out % B == 0 && t.row_bytes % B == 0;
-    int status = 0;
-    for (uint64_t r = 0; r < n; r++)
-        status |= emulate_row_any(t, ht.m, (uint64_t)indices[r], stage.p, out + r * t.row_bytes, aligned);
     return status_error(status);
 }
 
@@ -164,19 +274,14 @@ extern "C" int ibp_cuda_emulate_lookup(const ibp_table *table, int dtype, uint32
     if (rc)
         return rc;
     const DevTable &t = ht.t;
-    if (dtype != IBP_DTYPE_F32 && dtype != IBP_DTYPE_F16 && dtype != IBP_DTYPE_BF16)
-        return fail(IBP_CUDA_E_ARG, "emulate_lookup: dtype %d", dtype);
-    if ((uint64_t)dim * (dtype == IBP_DTYPE_F32 ? 4 : 2) != t.row_bytes)
-        return fail(IBP_CUDA_E_ARG, "emulate_lookup: dim %u does not match rows of %u bytes", dim,
-                    t.row_bytes);
-    if ((n_bags && (!offsets || !out)) || (n_indices && !indices))
-        return fail(IBP_CUDA_E_ARG, "emulate_lookup: null pointer");
-    const uint32_t R = t.row_bytes, M = t.n_words, B = t.word_bits / 8;
-    Aligned stage(stage_bytes_for(M, t.word_bits));
-    Aligned row(round_up(M * B, kChunk));
-    if (!stage.p || !row.p)
-        return fail(IBP_CUDA_E_NOMEM, "emulate_lookup: no memory");
+    rc = check_lookup_args(dtype, dim, t.row_bytes, mode, n_indices, indices, offsets, n_bags, out,
+                           "emulate_lookup");
+    if (rc)
+        return rc;
+    const uint32_t R = t.row_bytes;
     int status = 0;
+    if (n_bags)
+        memset(out, 0, (size_t)n_bags * dim * sizeof(float)); /* the launch's cudaMemsetAsync */
     if (dedup) {
         /* keys, a stable sort by row id (CUB's radix sort is stable), heads, numbers. */
         std::vector<uint32_t> keys(n_indices), pos(n_indices), inverse(n_indices), urows;
@@ -193,37 +298,32 @@ extern "C" int ibp_cuda_emulate_lookup(const ibp_table *table, int dtype, uint32
                 urows.push_back(keys[pos[i]]);
             inverse[pos[i]] = (uint32_t)urows.size() - 1;
         }
-        std::vector<uint8_t> rows((size_t)urows.size() * R + kChunk);
-        const bool aligned = R % B == 0; /* the workspace rows start 256-aligned */
-        for (size_t u = 0; u < urows.size(); u++) {
-            if (aligned) {
-                status |= emulate_row_any(t, ht.m, urows[u], stage.p, row.p, true);
-                memcpy(rows.data() + u * R, row.p, R);
-            } else {
-                status |= emulate_row_any(t, ht.m, urows[u], stage.p, rows.data() + u * R, false);
-            }
-        }
+        /* Distinct rows decoded once each by the gather kernel's loop (into a
+         * 16-byte aligned buffer, as the workspace's 256-byte aligned rows). */
+        Aligned rows((size_t)urows.size() * R + kChunk);
+        if (!rows.p)
+            return fail(IBP_CUDA_E_NOMEM, "emulate_lookup: no memory");
+        int st = gather_grid(ht, nullptr, urows.data(), urows.size(), rows.p);
+        if (st < 0)
+            return fail(IBP_CUDA_E_NOMEM, "emulate_lookup: no memory");
+        status |= st;
         for (uint64_t b = 0; b < n_bags; b++) {
             uint64_t lo, hi;
             status |= bag_range(offsets, b, n_bags, n_indices, &lo, &hi) ? 0 : kStatusOffsets;
             for (uint32_t d = 0; d < dim; d++)
-                out[b * dim + d] = pool_bag_elem(rows.data(), R, inverse.data(), weights, dtype, mode, lo, hi, d);
+                out[b * dim + d] = pool_bag_elem(rows.p, R, inverse.data(), weights, dtype, mode, lo, hi, d);
         }
     } else {
-        /* A warp per bag: decode each row into the shared row, add it into the sums. */
-        std::vector<float> acc(dim);
-        for (uint64_t b = 0; b < n_bags; b++) {
-            uint64_t lo, hi;
-            status |= bag_range(offsets, b, n_bags, n_indices, &lo, &hi) ? 0 : kStatusOffsets;
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            for (uint64_t p = lo; p < hi; p++) {
-                status |= emulate_row_any(t, ht.m, (uint64_t)indices[p], stage.p, row.p, true);
-                for (uint32_t d = 0; d < dim; d++)
-                    acc[d] = pool_step(acc[d], row_elem(row.p, d, dtype), weights, p);
-            }
-            for (uint32_t d = 0; d < dim; d++)
-                out[b * dim + d] = hi > lo ? pool_finish(acc[d], mode, lo, hi) : 0.0f;
+        FusedArgs a{indices, offsets, weights, out, n_indices, n_bags, dim, dtype, mode};
+        int st;
+        switch (t.word_bits) {
+        case 16: st = emulate_fused_grid<16>(ht, a); break;
+        case 32: st = emulate_fused_grid<32>(ht, a); break;
+        default: st = emulate_fused_grid<64>(ht, a); break;
         }
+        if (st < 0)
+            return fail(IBP_CUDA_E_NOMEM, "emulate_lookup: no memory");
+        status |= st;
     }
     return status_error(status);
 }

@@ -131,16 +131,22 @@ int ibp_cuda_lookup(ibp_cuda_table *t, int dtype, uint32_t dim, const int64_t *i
 /* Synchronize the stream and report (then clear) the errors the kernels found. */
 int ibp_cuda_check(ibp_cuda_table *t, void *stream);
 
-/* The kernels' per-lane code run on the host, lane by lane, from a staged copy
- * of each row laid out as the kernels lay it out (no device needed): for tests
- * of the decoding logic on machines without a GPU. Same arguments and results
- * as ibp_decode / ibp_lookup (dedup selects the sort-and-pool path). */
+/* The kernels' code run on the host (no device needed): for tests of the
+ * decoding logic and the kernels' loops on machines without a GPU. Every warp
+ * of an emulated grid runs the kernels' own per-warp loop (rows or bags first,
+ * first + grid, ...; each next row staged before the current one is decoded),
+ * with the per-lane code run lane by lane from a staged copy of each row laid
+ * out as the kernels lay it out. Same arguments and results as ibp_decode /
+ * ibp_lookup (dedup selects the sort-and-pool path). ibp_cuda_emulate_grid
+ * sets the emulated grid's warps for later calls (0: the default, 16) and
+ * returns the previous value. */
 int ibp_cuda_emulate_gather(const ibp_table *table, const int64_t *indices, uint64_t n,
                             uint8_t *out);
 int ibp_cuda_emulate_lookup(const ibp_table *table, int dtype, uint32_t dim,
                             const int64_t *indices, uint64_t n_indices,
                             const int64_t *offsets, uint64_t n_bags, const float *weights,
                             int mode, float *out, int dedup);
+uint32_t ibp_cuda_emulate_grid(uint32_t warps);
 /* CFFI_END */
 
 #ifdef __cplusplus

@@ -16,8 +16,9 @@
  * Fused path (no dedup): one warp per bag decodes the bag's rows one after the
  * other (cp.async double buffering as in decode.cu, the next row's copy running
  * while the current row is decoded) into a shared-memory row, and adds it into
- * per-warp float sums in shared memory. No workspace, no sort, but a row named
- * k times is read k times.
+ * per-warp float sums in shared memory (pool_loop in loops.cuh, which
+ * emulate.cu runs too). No workspace, no sort, but a row named k times is read
+ * k times.
  */
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
@@ -167,35 +168,20 @@ int simple_blocks(const ibp_cuda_table *t, uint64_t items, uint64_t per_block)
 
 /* ---- fused ---- */
 
-struct FusedArgs {
-    const int64_t *indices;
-    const int64_t *offsets;
-    const float *weights;
-    float *out;
-    uint64_t n_indices, n_bags;
-    uint32_t dim;
-    int dtype, mode;
-};
+/* The fused kernel's Warp (loops.cuh): rows decoded into a shared-memory row. */
+template <uint32_t W>
+struct FusedWarp : DeviceWarp<W, true> {
+    uint8_t *row; /* the decoded row, whole words */
+    float *acc;   /* the bag's sums, dim floats */
 
-/* A warp's position: bag b, its index range [lo, hi), the current index p. */
-struct Cursor {
-    uint64_t b, lo, hi, p;
-};
-
-/* Move to bag c.b, or the first later bag of this warp (step stride) with rows.
- * Bags passed over are empty (their output is zeroed before the launch). */
-__device__ __forceinline__ bool seek_bag(Cursor &c, const FusedArgs &a, uint64_t stride, int &status)
-{
-    for (; c.b < a.n_bags; c.b += stride) {
-        if (!bag_range(a.offsets, c.b, a.n_bags, a.n_indices, &c.lo, &c.hi))
-            status |= kStatusOffsets;
-        if (c.hi > c.lo) {
-            c.p = c.lo;
-            return true;
-        }
+    __device__ __forceinline__ const uint8_t *decode(const RowRef &ref, const uint8_t *stage,
+                                                     int &status)
+    {
+        RowStore<W> sink{row, this->t.row_bytes, true};
+        status |= warp_decode_row<W>(this->t, this->m, ref, stage + ref.offset, this->lane, sink);
+        return row;
     }
-    return false;
-}
+};
 
 template <uint32_t W>
 __global__ void IBPC_ROW_KERNEL_BOUNDS
@@ -205,52 +191,11 @@ ibp_lookup_fused_kernel(DevTable t, Geometry g, FusedArgs a)
     const Meta m = load_meta(t, g, smem);
     const uint32_t lane = threadIdx.x & (kWarp - 1), warp = threadIdx.x / kWarp;
     uint8_t *stage = smem + g.meta_bytes + warp * g.warp_bytes;
-    uint8_t *next_stage = stage + g.stage_bytes;
-    uint8_t *row = stage + 2 * g.stage_bytes; /* the decoded row, whole words */
+    uint8_t *row = stage + 2 * g.stage_bytes;
     float *acc = (float *)(void *)(row + round_up(t.n_words * (W / 8), kChunk));
-    for (uint32_t d = lane; d < a.dim; d += kWarp)
-        acc[d] = 0.0f;
-
-    const uint64_t stride = (uint64_t)gridDim.x * g.warps;
-    int status = 0;
-    Cursor cur = {(uint64_t)blockIdx.x * g.warps + warp, 0, 0, 0};
-    bool valid = seek_bag(cur, a, stride, status);
-    RowRef ref = {};
-    if (valid)
-        ref = issue_row<true>(t, (uint64_t)a.indices[cur.p], stage, lane);
-    __pipeline_commit();
-    while (valid) { /* cur is the same in all lanes: warp-uniform */
-        Cursor nc = cur;
-        bool has_next = ++nc.p < nc.hi;
-        if (!has_next) {
-            nc.b += stride;
-            has_next = seek_bag(nc, a, stride, status);
-        }
-        RowRef nref = {};
-        if (has_next)
-            nref = issue_row<true>(t, (uint64_t)a.indices[nc.p], next_stage, lane);
-        __pipeline_commit();
-        __pipeline_wait_prior(1);
-        __syncwarp();
-        RowStore<W> sink{row, t.row_bytes, true};
-        status |= warp_decode_row<W>(t, m, ref, stage + ref.offset, lane, sink);
-        __syncwarp(); /* the row is whole before lanes read elements other lanes wrote */
-        for (uint32_t d = lane; d < a.dim; d += kWarp)
-            acc[d] = pool_step(acc[d], row_elem(row, d, a.dtype), a.weights, cur.p);
-        if (cur.p + 1 == cur.hi) {
-            for (uint32_t d = lane; d < a.dim; d += kWarp) {
-                a.out[cur.b * a.dim + d] = pool_finish(acc[d], a.mode, cur.lo, cur.hi);
-                acc[d] = 0.0f;
-            }
-        }
-        __syncwarp(); /* row and stage are free before they are written again */
-        uint8_t *s = stage;
-        stage = next_stage;
-        next_stage = s;
-        cur = nc;
-        ref = nref;
-        valid = has_next;
-    }
+    FusedWarp<W> w{{t, m, stage, stage + g.stage_bytes, lane}, row, acc};
+    const int status = pool_loop(w, a, (uint64_t)blockIdx.x * g.warps + warp,
+                                 (uint64_t)gridDim.x * g.warps);
     if (status && lane == 0)
         atomicOr(t.status, status);
 }

@@ -29,7 +29,7 @@
 
 #include <cuda_pipeline.h>
 
-#include "cuda/decode.cuh"
+#include "cuda/loops.cuh"
 
 namespace ibpcuda {
 
@@ -129,15 +129,42 @@ __device__ __forceinline__ int warp_decode_row(const DevTable &t, const Meta &m,
     return row_consistent(c, base) ? 0 : kStatusCorrupt;
 }
 
-/* Stores decoded words into a row of memory (global for gathers, shared for pooling). */
-template <uint32_t W>
-struct RowStore {
-    uint8_t *out;
-    uint32_t row_bytes;
-    bool aligned;
-    __device__ __forceinline__ void put(uint32_t j, uint64_t w)
+/* The kernels' Warp for the loops of loops.cuh over IBP rows: cp.async stage
+ * copies (kStaged) or none (lanes read the payload directly), pipeline waits,
+ * __syncwarp, and the warp-cooperative decode. */
+template <uint32_t W, bool kStaged>
+struct DeviceWarp {
+    const DevTable &t;
+    const Meta &m;
+    uint8_t *stage0, *stage1;
+    uint32_t lane;
+    static constexpr uint32_t lanes = kWarp;
+
+    __device__ __forceinline__ RowRef issue(uint64_t row, uint8_t *stage)
     {
-        store_word<W>(out, j, w, row_bytes, aligned);
+        return issue_row<kStaged>(t, row, stage, lane);
+    }
+    __device__ __forceinline__ void commit()
+    {
+        if (kStaged)
+            __pipeline_commit();
+    }
+    __device__ __forceinline__ void wait()
+    {
+        if (kStaged) {
+            __pipeline_wait_prior(1); /* this lane's copies of the current row have landed */
+            __syncwarp();             /* ... and every other lane's */
+        }
+    }
+    __device__ __forceinline__ void sync()
+    {
+        if (kStaged)
+            __syncwarp();
+    }
+    /* The row's first byte as the decoder reads it: in its stage buffer, or in the payload. */
+    __device__ __forceinline__ const uint8_t *row_bytes_at(const RowRef &r, const uint8_t *stage) const
+    {
+        return kStaged ? stage + r.offset : r.src;
     }
 };
 
