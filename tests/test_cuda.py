@@ -6,11 +6,12 @@ and reports "no CUDA device", and the kernels' code run on the host
 (ibp_cuda_emulate_*: the kernels' own per-warp loops over an emulated grid, the
 per-lane decoding lane by lane, the same pooling arithmetic) matches libibp bit
 for bit, gathers and lookups (weighted ones too: both use fma), also with many
-rows and bags per warp.
+rows and bags per warp; the raw-row baseline kernel's emulation matches libibp
+and torch.
 With a GPU (marked `gpu`): CudaTable against the CPU path, bit for bit for
 gathers and within 1e-6 relative for pooling (bit for bit in the large test,
-whose batches give every warp of every kernel several rows and bags), and the
-row cache on the device.
+whose batches give every warp of every kernel several rows and bags), the raw
+kernel, and the row cache on the device.
 """
 from __future__ import annotations
 
@@ -26,18 +27,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ibp_embed
 from ibp_embed import cuda
+from ibp_embed.dtypes import LOOKUP_DTYPES
 from ibp_embed.errors import FormatError
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks.gpu_lookup: the raw kernel's Python wrappers
 CUDA_DIR = ROOT / "native" / "cuda"
 DEFAULT_LIB = ROOT / "native" / "build" / "libibp_cuda.so"
 NVCC = shutil.which("nvcc")
 # Kernels whose spill counts must be zero (all of ours; CUB's are not checked).
 HOT_KERNELS = ("ibp_gather_rows_kernel", "ibp_lookup_fused_kernel", "ibp_pool_kernel",
-               "ibp_dedup_keys_kernel", "ibp_dedup_heads_kernel", "ibp_dedup_scatter_kernel")
+               "ibp_dedup_keys_kernel", "ibp_dedup_heads_kernel", "ibp_dedup_scatter_kernel",
+               "ibp_raw_lookup_kernel")
 ARCHS = ("sm_80", "sm_90")
 
 
@@ -217,7 +223,7 @@ def test_ptxas_reports_no_spills_in_the_kernels(cuda_build):
     assert not spilling, f"kernels with local-memory spills (regs, stack, stores, loads): {spilling}"
     # The row kernels are bounded to 64 registers (4 blocks of 256 threads an SM).
     for (name, arch), (regs, *_rest) in ours.items():
-        if "gather_rows" in name or "fused" in name:
+        if "gather_rows" in name or "fused" in name or "raw_lookup" in name:
             assert regs <= 64, f"{name} ({arch}) uses {regs} registers"
 
 
@@ -334,8 +340,6 @@ def test_emulated_weighted_pooling_uses_fma(cuda_lib):
         assert cuda.emulate_lookup(t, idx, off, wts, dedup=dedup)[0, 0].item() == 2.0 ** -24
 
 
-
-
 def test_emulated_lookup_edge_cases(cuda_lib):
     t = ibp_embed.compress(_mixed(50, 8, torch.float32))
     for dedup in (True, False):
@@ -448,8 +452,8 @@ def _loop_batch(n_rows, n_ids, n_bags, grid, seed):
     return idx, off, w
 
 
-def _check_loops(t, gather, lookup, idx, off, wts):
-    """gather and every lookup variant against libibp, bit for bit."""
+def _check_loops(t, gather, lookup, idx, off, wts, raw_lookup=None):
+    """gather and every lookup variant (and the raw kernel's) against libibp, bit for bit."""
     assert torch.equal(_raw(gather(idx)), _raw(t.gather(idx)))
     for mode in ("sum", "mean"):
         for weights in (None, wts):
@@ -457,6 +461,10 @@ def _check_loops(t, gather, lookup, idx, off, wts):
             for dedup in (True, False):
                 got = lookup(idx, off, weights, mode, dedup)
                 assert torch.equal(got, ref), (mode, weights is not None, dedup,
+                                               float((got - ref).abs().max()))
+            if raw_lookup is not None:
+                got = raw_lookup(idx, off, weights, mode)
+                assert torch.equal(got, ref), ("raw", mode, weights is not None,
                                                float((got - ref).abs().max()))
 
 
@@ -468,29 +476,80 @@ def test_emulated_kernels_walk_many_rows_and_bags_per_warp(cuda_lib, emulated_gr
     dedup's distinct rows, and pools ~5 bags, so the next-row prefetch, the buffer
     swap and the move to the next bag run many times, in the kernels' own loop
     code (loops.cuh)."""
+    from benchmarks.raw_baseline import emulate_raw_lookup
+
     emulated_grid(H100_GRID_WARPS)
     n_ids, n_bags, n_rows = 200_000, 20_000 + 2 * H100_GRID_WARPS + 1, 30_000
     w, t = _loop_table(dtype, dim, word_bits, n_rows)
     idx, off, wts = _loop_batch(n_rows, n_ids, n_bags, H100_GRID_WARPS, 7)
     assert np.unique(idx).size > 4 * H100_GRID_WARPS and n_bags > 4 * H100_GRID_WARPS
     _check_loops(t, lambda i: cuda.emulate_gather(t, i),
-                 lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts)
+                 lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts,
+                 lambda i, o, wt, m: emulate_raw_lookup(w, i, o, wt, m))
 
 
 @pytest.mark.parametrize("warps", [1, 3, 16, 257, 100_000])
 def test_emulated_results_do_not_depend_on_the_grid(cuda_lib, emulated_grid, warps):
     """One warp doing everything, odd grids, and more warps than items: the same bits."""
+    from benchmarks.raw_baseline import emulate_raw_lookup
+
     emulated_grid(warps)
     w, t = _loop_table(torch.float32, 24, 64, 500, seed=3)
     idx, off, wts = _loop_batch(500, 3000, 400, 20, 9)
     _check_loops(t, lambda i: cuda.emulate_gather(t, i),
-                 lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts)
+                 lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts,
+                 lambda i, o, wt, m: emulate_raw_lookup(w, i, o, wt, m))
 
 
 def test_emulated_grid_setting(cuda_lib, emulated_grid):
     assert emulated_grid(7) == 16  # the default
     assert emulated_grid(0) == 7
     assert cuda_lib.ibp_cuda_emulate_grid(0) == 16
+
+
+# ---- the raw-row baseline kernel (ibp_cuda_raw_lookup), emulated ----
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 16), (torch.float16, 3), (torch.bfloat16, 5),
+                                       (torch.float16, 64)])
+def test_emulated_raw_lookup_matches_torch_embedding_bag(cuda_lib, dtype, dim):
+    """Rows of 6 or 10 bytes start anywhere in a 16-byte granule, and the table's
+    end is not on a granule boundary (the last granule is copied partly)."""
+    from benchmarks.raw_baseline import emulate_raw_lookup
+
+    n = 1001
+    w = _mixed(n, dim, dtype, 5)
+    assert (n * dim * w.dtype.itemsize) % 16 or dim in (16, 64)
+    idx, off, wts = _batch(n, 4000, 300, 11)
+    idx[:10] = n - 1  # the last row
+    ii, oo = torch.from_numpy(idx), torch.from_numpy(off)
+    for mode in ("sum", "mean"):
+        ref = F.embedding_bag(ii, w.float(), oo, mode=mode, include_last_offset=True)
+        got = emulate_raw_lookup(w, idx, off, None, mode)
+        _assert_pooled_close(got, ref, w, idx, off, None, mode)
+    ref = F.embedding_bag(ii, w.float(), oo, mode="sum", per_sample_weights=torch.from_numpy(wts),
+                          include_last_offset=True)
+    _assert_pooled_close(emulate_raw_lookup(w, idx, off, wts), ref, w, idx, off, wts, "sum")
+    # libibp's order and arithmetic: the same bits
+    t = ibp_embed.compress(w, progress=False)
+    for mode in ("sum", "mean"):
+        assert torch.equal(emulate_raw_lookup(w, idx, off, wts, mode), t.lookup(idx, off, wts, mode))
+
+
+def test_emulated_raw_lookup_errors(cuda_lib):
+    from benchmarks.raw_baseline import emulate_raw_lookup
+
+    w = _mixed(50, 8, torch.float32)
+    out = emulate_raw_lookup(w, np.zeros(0, np.int64), np.zeros(4, np.int64))
+    assert out.shape == (3, 8) and not out.any()
+    with pytest.raises(IndexError):
+        emulate_raw_lookup(w, [1, 50], [0, 2])
+    with pytest.raises(IndexError):
+        emulate_raw_lookup(w, [-1], [0, 1])
+    with pytest.raises(ValueError, match="offsets"):
+        emulate_raw_lookup(w, [1, 2, 3], [0, 2, 1, 3])
+    buf = torch.zeros(50 * 8 + 1)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        emulate_raw_lookup(buf[1:].view(50, 8), [1], [0, 1])
 
 
 # ---- the build on other machines ----
@@ -586,16 +645,32 @@ def _loop_sizes(props) -> tuple[int, int, int, int]:
     return n_ids, n_bags, n_rows, grid
 
 
+def _register(t: torch.Tensor) -> int:
+    """Pin a CPU tensor in place; the device pointer the kernels read it through."""
+    lib = cuda.load_library()
+    dptr = cuda.ffi.new("void **")
+    cuda.check(lib.ibp_cuda_host_register(cuda.ffi.cast("void *", t.data_ptr()),
+                                          t.numel() * t.element_size(), dptr), "host_register", lib)
+    return int(cuda.ffi.cast("uintptr_t", dptr[0]))
+
+
+def _unregister(t: torch.Tensor) -> None:
+    lib = cuda.load_library()
+    cuda.check(lib.ibp_cuda_host_unregister(cuda.ffi.cast("void *", t.data_ptr())), "unregister", lib)
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("placement", ["host", "device"])
 @pytest.mark.parametrize("dtype,dim,word_bits", LOOP_CASES, ids=LOOP_IDS)
 def test_gpu_kernels_walk_many_rows_and_bags_per_warp(gpu_ready, placement, dtype, dim, word_bits):
     """More rows (gather, and the dedup's distinct rows) and more bags (fused,
-    dedup pooling) than the grids hold warps, so every warp runs the
+    dedup pooling, raw kernel) than the grids hold warps, so every warp runs the
     next-row prefetch, the buffer swap and the move to its next bag several
     times; checked bit for bit against libibp (the kernels pool in libibp's
     order with fma, as the emulation, whose same sizes pass without a GPU)."""
+    from benchmarks.raw_baseline import raw_lookup
+
     props = torch.cuda.get_device_properties(gpu_ready)
     n_ids, n_bags, n_rows, grid = _loop_sizes(props)
     w, t = _loop_table(dtype, dim, word_bits, n_rows)
@@ -605,16 +680,32 @@ def test_gpu_kernels_walk_many_rows_and_bags_per_warp(gpu_ready, placement, dtyp
     info = ct.info()
     assert info["staged"] and info["warps_per_block"] * 32 <= 1024
     dev = gpu_ready
+    status = torch.zeros(1, dtype=torch.int32, device=dev)
+    if placement == "host":  # the raw kernel over pinned host rows (zero-copy), else over HBM rows
+        w_host = w.contiguous().clone()
+        rows_ptr, keep = _register(w_host), w_host
+    else:
+        keep = w.to(dev)
+        rows_ptr = keep.data_ptr()
 
     def to_dev(x):
         return None if x is None else torch.from_numpy(np.asarray(x)).to(dev)
 
     def lookup(i, o, wt, mode, dedup):
         return ct.lookup(to_dev(i), to_dev(o), to_dev(wt), mode, dedup=dedup).cpu()
+
+    def raw(i, o, wt, mode):
+        return raw_lookup(rows_ptr, n_rows, dtype, dim, to_dev(i), to_dev(o), to_dev(wt), mode,
+                          status=status).cpu()
     try:
-        _check_loops(t, lambda i: ct.gather(to_dev(i)).cpu(), lookup, idx, off, wts)
+        _check_loops(t, lambda i: ct.gather(to_dev(i)).cpu(), lookup, idx, off, wts, raw)
+        with pytest.raises(IndexError):  # and the raw kernel's error flags
+            raw(np.array([0, n_rows]), np.array([0, 2]), None, "sum")
+        assert int(status.item()) == 0  # reported and cleared
     finally:
         ct.close()
+        if placement == "host":
+            _unregister(keep)
 
 
 @gpu

@@ -1,7 +1,7 @@
 /* emulate.cu - the kernels' decoding and pooling code run on the host.
  *
- * ibp_cuda_emulate_gather / _lookup take a host ibp_table and do what the
- * kernels do, with the same __host__ __device__ code: the kernels' per-warp
+ * ibp_cuda_emulate_gather / _lookup / _raw_lookup take host memory and do what
+ * the kernels do, with the same __host__ __device__ code: the kernels' per-warp
  * loops (gather_loop, pool_loop in loops.cuh) run for every warp of an emulated
  * grid (ibp_cuda_emulate_grid warps, one warp after the other: warps share
  * nothing but the output), so a warp walks several rows or bags, issuing each
@@ -177,6 +177,26 @@ struct HostFusedWarp : HostWarp {
     }
 };
 
+/* Raw rows (ibp_cuda_raw_lookup's kernel): staged granules, no decoding. */
+struct HostRawWarp : HostWarp {
+    const RawTable &t;
+    float *acc;
+
+    RowRef issue(uint64_t row, uint8_t *stage)
+    {
+        RowRef r = locate_raw_row(t, row);
+        memset(stage, 0xA5, stage_bytes);
+        for (uint32_t c = 0; r.len && c < stage_chunks(r); c++)
+            memcpy(stage + c * kChunk, r.src - r.offset + c * kChunk, raw_granule_bytes(t, r, c));
+        return r;
+    }
+    const uint8_t *decode(const RowRef &ref, const uint8_t *stage, int &status)
+    {
+        status |= ref.status;
+        return ref.len ? stage + ref.offset : nullptr;
+    }
+};
+
 /* The gather kernel over the emulated grid: rows idx[0..n) or urows[0..n) into out. */
 template <uint32_t W>
 int emulate_gather_grid(const HostTable &ht, const int64_t *idx, const uint32_t *urows, uint64_t n,
@@ -325,5 +345,35 @@ extern "C" int ibp_cuda_emulate_lookup(const ibp_table *table, int dtype, uint32
             return fail(IBP_CUDA_E_NOMEM, "emulate_lookup: no memory");
         status |= st;
     }
+    return status_error(status);
+}
+
+extern "C" int ibp_cuda_emulate_raw_lookup(const void *rows, uint64_t n_rows, int dtype, uint32_t dim,
+                                           const int64_t *indices, uint64_t n_indices,
+                                           const int64_t *offsets, uint64_t n_bags,
+                                           const float *weights, int mode, float *out)
+{
+    const uint32_t R = dim * (dtype == IBP_DTYPE_F32 ? 4u : 2u);
+    int rc = check_lookup_args(dtype, dim, R, mode, n_indices, indices, offsets, n_bags, out,
+                               "emulate_raw_lookup");
+    if (rc)
+        return rc;
+    if (!dim || (n_rows && !rows) || (uintptr_t)rows % kChunk)
+        return fail(IBP_CUDA_E_ARG, "emulate_raw_lookup: rows must be non-null and 16-byte aligned, "
+                    "dim at least 1");
+    if (n_bags)
+        memset(out, 0, (size_t)n_bags * dim * sizeof(float));
+    RawTable t{(const uint8_t *)rows, n_rows, R};
+    const uint32_t sb = raw_stage_bytes(R);
+    Aligned s0(sb), s1(sb);
+    std::vector<float> acc(dim);
+    if (!s0.p || !s1.p)
+        return fail(IBP_CUDA_E_NOMEM, "emulate_raw_lookup: no memory");
+    HostRawWarp w{{s0.p, s1.p, sb}, t, acc.data()};
+    FusedArgs a{indices, offsets, weights, out, n_indices, n_bags, dim, dtype, mode};
+    const uint64_t grid = g_grid_warps.load();
+    int status = 0;
+    for (uint64_t warp = 0; warp < grid; warp++)
+        status |= pool_loop(w, a, warp, grid);
     return status_error(status);
 }

@@ -131,21 +131,40 @@ int ibp_cuda_lookup(ibp_cuda_table *t, int dtype, uint32_t dim, const int64_t *i
 /* Synchronize the stream and report (then clear) the errors the kernels found. */
 int ibp_cuda_check(ibp_cuda_table *t, void *stream);
 
+/* A baseline for benchmarks, no IBP: the fused lookup's kernel structure over
+ * raw rows (one warp per bag, each next row's cp.async copy issued before the
+ * current row is added, the same pooling arithmetic), without decoding. rows:
+ * n_rows rows of dim dtype elements back to back, 16-byte aligned, readable by
+ * the current device: device memory, or pinned host memory through its device
+ * pointer (ibp_cuda_host_register), which the kernel then reads zero-copy over
+ * PCIe as FBGEMM's UVM placement does. Pools as ibp_cuda_lookup into out
+ * [n_bags][dim] float32 on the given stream. status: a device int the kernel
+ * ORs its errors into (NULL: none recorded); with IBP_CUDA_CHECK the call
+ * synchronizes the stream and reports, then clears, them. */
+int ibp_cuda_raw_lookup(const void *rows, uint64_t n_rows, int dtype, uint32_t dim,
+                        const int64_t *indices, uint64_t n_indices, const int64_t *offsets,
+                        uint64_t n_bags, const float *weights, int mode, float *out, int *status,
+                        void *stream, int flags);
+
 /* The kernels' code run on the host (no device needed): for tests of the
  * decoding logic and the kernels' loops on machines without a GPU. Every warp
  * of an emulated grid runs the kernels' own per-warp loop (rows or bags first,
  * first + grid, ...; each next row staged before the current one is decoded),
  * with the per-lane code run lane by lane from a staged copy of each row laid
  * out as the kernels lay it out. Same arguments and results as ibp_decode /
- * ibp_lookup (dedup selects the sort-and-pool path). ibp_cuda_emulate_grid
- * sets the emulated grid's warps for later calls (0: the default, 16) and
- * returns the previous value. */
+ * ibp_lookup (dedup selects the sort-and-pool path) and ibp_cuda_raw_lookup
+ * (host pointers). ibp_cuda_emulate_grid sets the emulated grid's warps for
+ * later calls (0: the default, 16) and returns the previous value. */
 int ibp_cuda_emulate_gather(const ibp_table *table, const int64_t *indices, uint64_t n,
                             uint8_t *out);
 int ibp_cuda_emulate_lookup(const ibp_table *table, int dtype, uint32_t dim,
                             const int64_t *indices, uint64_t n_indices,
                             const int64_t *offsets, uint64_t n_bags, const float *weights,
                             int mode, float *out, int dedup);
+int ibp_cuda_emulate_raw_lookup(const void *rows, uint64_t n_rows, int dtype, uint32_t dim,
+                                const int64_t *indices, uint64_t n_indices,
+                                const int64_t *offsets, uint64_t n_bags, const float *weights,
+                                int mode, float *out);
 uint32_t ibp_cuda_emulate_grid(uint32_t warps);
 /* CFFI_END */
 

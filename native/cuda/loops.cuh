@@ -2,7 +2,7 @@
  * their host emulation.
  *
  * A warp of the row-decoding kernel (decode.cu) walks rows first, first +
- * stride, ... and a warp of the fused pooling kernel (lookup.cu) walks bags
+ * stride, ... and a warp of a pooling kernel (lookup.cu, raw.cu) walks bags
  * the same way, the grid sized to fill the GPU once (grid_blocks), so a warp
  * has many items whenever a batch is larger than the grid. The loops below are
  * that walk: the copy of each next row is issued into the second stage buffer
@@ -50,7 +50,7 @@
 
 namespace ibpcuda {
 
-/* Arguments of the fused pooling kernel. */
+/* Arguments of a pooling kernel (fused IBP lookup, raw baseline). */
 struct FusedArgs {
     const int64_t *indices;
     const int64_t *offsets;
@@ -161,6 +161,48 @@ IBPC_HD int pool_loop(Warp &w, const FusedArgs &a, uint64_t first, uint64_t stri
         valid = has_next;
     }
     return status;
+}
+
+/* ---- raw rows (the benchmarks' baseline: the same loops with no decoding) ---- */
+
+/* n_rows rows of row_bytes bytes back to back from a 16-byte aligned base. */
+struct RawTable {
+    const uint8_t *base;
+    uint64_t n_rows;
+    uint32_t row_bytes;
+};
+
+IBPC_HD RowRef locate_raw_row(const RawTable &t, uint64_t row)
+{
+    RowRef r;
+    r.src = t.base;
+    r.len = 0;
+    r.offset = 0;
+    r.status = 0;
+    if (row >= t.n_rows) {
+        r.status = kStatusIndex;
+        return r;
+    }
+    r.src = t.base + row * t.row_bytes;
+    r.len = t.row_bytes;
+    r.offset = (uint32_t)((uintptr_t)r.src & (kChunk - 1));
+    return r;
+}
+
+/* Bytes of granule c of a staged raw row that lie inside the table: 16, except
+ * in the last granule of the table's last row when the table does not end on a
+ * 16-byte boundary (nothing past the table is read: it may end a mapping). */
+IBPC_HD uint32_t raw_granule_bytes(const RawTable &t, const RowRef &r, uint32_t c)
+{
+    const uint8_t *g = r.src - r.offset + (uint64_t)c * kChunk;
+    const uint8_t *end = t.base + t.n_rows * t.row_bytes;
+    return g + kChunk <= end ? kChunk : (uint32_t)(end - g);
+}
+
+/* Shared bytes of one staged raw row: up to 15 bytes of offset, whole granules. */
+IBPC_HD uint32_t raw_stage_bytes(uint32_t row_bytes)
+{
+    return round_up(row_bytes + kChunk - 1, kChunk);
 }
 
 } /* namespace ibpcuda */
