@@ -1,24 +1,48 @@
 #!/usr/bin/env python3
 """GPU lookup benchmark: IBP pooled lookups from pinned host memory against baselines.
 
-Rows compared, on the same table and batches (ms per batch, median of CUDA-event
-timings, and the effective bandwidth: raw bytes of every looked-up row / time):
+Methods, on the same table and the same batches (pooled sum lookups, B bags of
+about P ids, uniform and Zipf ids):
 
-- torch DEVICE: F.embedding_bag on the raw table in device memory (HBM);
-- torch UVM-like: the same torch kernel on the raw table left in pinned host
-  memory and mapped into the GPU (zero-copy; what FBGEMM MANAGED does);
+- ibp host dedup / fused: CudaTable(placement="host"): compressed rows read
+  zero-copy over PCIe and decoded on the GPU; dedup sorts and deduplicates the
+  batch's ids (each distinct row read once), fused reads every id's row;
+- ibp device dedup: the compressed payload in HBM (decode cost, no PCIe);
+- raw zero-copy kernel: libibp_cuda's ibp_cuda_raw_lookup over the raw rows in
+  pinned host memory: the fused kernel's structure without decoding, the
+  stand-in for FBGEMM's UVM placement (FBGEMM's CUDA build cannot be installed
+  on the GPU machine); "raw kernel HBM": the same kernel over rows in HBM;
+- torch DEVICE: F.embedding_bag on the raw table in HBM;
+- torch zero-copy: the same torch kernel on the raw rows left in pinned host
+  memory, mapped into the GPU;
 - torch host gather + H2D: index_select on the CPU, copy, pool on the GPU (the
-  baseline of the IBP paper's DLRM numbers);
-- ibp host: CudaTable(placement="host"), compressed rows read zero-copy over
-  PCIe and decoded on the GPU, with dedup (sort + unique) and fused (no dedup);
-- ibp raw host: the same kernels on a table whose rows are all stored raw (no
-  compression): isolates what the compression itself buys;
-- ibp device: compressed payload in HBM (decode throughput, no PCIe);
-- ibp host + cache: a RowCache (load factor 0.2, LRU) in front of ibp host;
-- FBGEMM MANAGED / MANAGED_CACHING / DEVICE, when fbgemm_gpu imports.
+  baseline of the IBP paper's DLRM numbers; --skip-host-gather drops it);
+- cache over IBP / cache over raw: ibp_embed.cache.RowCache (LRU, HBM) in front
+  of the IBP host table, and in front of the raw zero-copy rows with the same
+  HBM (its capacity grows by the IBP metadata's HBM bytes: the stand-in for
+  FBGEMM's MANAGED_CACHING). Caches are warmed on separate batches of the same
+  distribution and timed on the others, each timed batch seen once;
+- FBGEMM DEVICE / MANAGED / MANAGED_CACHING, only where fbgemm_gpu's CUDA build
+  imports.
 
-It also measures pinned host -> device copy bandwidth (the PCIe ceiling) and the
-gather (decode) throughput of ibp from HBM. Prints a short table last.
+Timing: CUDA events around back-to-back calls over all timed batches (no
+synchronization between calls; errors are checked after), the median over
+--repeats passes; stateful caches get one pass. Every result of every method on
+every timed batch is checked against libibp's CPU lookup (bit for bit where the
+method sums in libibp's order: the IBP kernels and the raw kernel; otherwise
+within 1e-5 of the sum of |terms|), and the kernels' error flags are read.
+
+Columns: PCIe MB/batch (modeled: the 16-byte granules the kernels' cp.async
+copies fetch, the raw rows torch's kernels read, the rows a cache fetches),
+ratio (raw bytes of the rows read / bytes read: the compression gain alone),
+distinct (distinct ids / ids of the batches: the dedup gain available), hit rate
+(caches), eff GB/s (raw bytes of every looked-up row / time).
+
+--emulate runs a reduced configuration on the CPU: the IBP and raw kernels
+through their host emulation (ibp_cuda_emulate_*), torch on CPU tensors, the
+caches on the CPU; times are then CPU times and mean nothing for the GPU, but
+every check, column and output runs. --dry-run prints the plan and exits 0.
+The table is printed last; the JSON goes to benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -27,16 +51,21 @@ import ctypes
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.raw_baseline import emulate_raw_lookup, raw_lookup  # noqa: E402
+
 T0 = time.time()
+GRANULE = 16  # the kernels' cp.async copy unit
 
 
 def log(msg: str) -> None:
@@ -69,20 +98,16 @@ _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_
 _KEEP = []  # ctypes objects that must outlive the tensors made from them
 _DTYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16),
            torch.uint8: (1, 8), torch.int64: (0, 64)}
-KDL_CPU, KDL_CUDA = 1, 2
+KDL_CUDA = 2
 
 
-def tensor_from_pointer(ptr: int, shape, dtype: torch.dtype, device_type: int, device_id: int = 0,
-                        owner=None) -> torch.Tensor:
-    """Wrap memory at `ptr` (C-contiguous `shape` of `dtype`) as a torch tensor, no copy.
-
-    With device_type KDL_CUDA and the device pointer of registered (pinned,
-    mapped) host memory, torch's CUDA kernels read host memory over PCIe.
-    """
+def tensor_from_pointer(ptr: int, shape, dtype: torch.dtype, device_id: int, owner=None) -> torch.Tensor:
+    """A CUDA tensor over memory at `ptr` (C-contiguous `shape` of `dtype`), no copy:
+    with the device pointer of registered host memory, torch's kernels read it over PCIe."""
     shape_arr = (ctypes.c_int64 * len(shape))(*shape)
     mt = _DLManagedTensor()
     mt.dl_tensor.data = ptr
-    mt.dl_tensor.device = _DLDevice(device_type, device_id)
+    mt.dl_tensor.device = _DLDevice(KDL_CUDA, device_id)
     mt.dl_tensor.ndim = len(shape)
     code, bits = _DTYPES[dtype]
     mt.dl_tensor.dtype = _DLDataType(code, bits, 1)
@@ -95,8 +120,7 @@ def tensor_from_pointer(ptr: int, shape, dtype: torch.dtype, device_type: int, d
     capsule_new = ctypes.pythonapi.PyCapsule_New
     capsule_new.restype = ctypes.py_object
     capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    capsule = capsule_new(ctypes.addressof(mt), b"dltensor", None)
-    return torch.utils.dlpack.from_dlpack(capsule)
+    return torch.utils.dlpack.from_dlpack(capsule_new(ctypes.addressof(mt), b"dltensor", None))
 
 
 # ---- data ----
@@ -111,10 +135,11 @@ def make_table(n_rows: int, dim: int, dtype: torch.dtype, init: str, seed: int) 
 
 
 def zipf_sampler(n_rows: int, alpha: float, seed: int):
-    """Bounded Zipf ranks over n_rows, hot rows scattered by a fixed permutation."""
+    """Bounded Zipf ranks over n_rows, hot rows scattered by a fixed permutation
+    (the same for every seed: warm and timed batches share their hot rows)."""
     cdf = np.cumsum(1.0 / np.arange(1, n_rows + 1, dtype=np.float64) ** alpha)
     cdf /= cdf[-1]
-    perm = np.random.default_rng(seed + 1).permutation(n_rows)
+    perm = np.random.default_rng(12345).permutation(n_rows)
     rng = np.random.default_rng(seed)
 
     def draw(n):
@@ -122,8 +147,19 @@ def zipf_sampler(n_rows: int, alpha: float, seed: int):
     return draw
 
 
+@dataclass
+class Batch:
+    idx: np.ndarray        # int64 ids
+    off: np.ndarray        # int64 offsets, B + 1
+    distinct: np.ndarray   # sorted distinct ids
+    idx_t: torch.Tensor = None   # on the benchmark's device
+    off_t: torch.Tensor = None
+    ref: torch.Tensor = None     # libibp's CPU lookup, on the device
+    bound: torch.Tensor = None   # sum over the bag of |x| (tolerance of non-exact methods)
+
+
 def make_batches(dist: str, n_rows: int, bags: int, pooling: int, n_batches: int, alpha: float,
-                 seed: int, device):
+                 seed: int) -> list[Batch]:
     rng = np.random.default_rng(seed)
     draw = zipf_sampler(n_rows, alpha, seed) if dist == "zipf" else \
         (lambda n: rng.integers(0, n_rows, n))
@@ -133,250 +169,536 @@ def make_batches(dist: str, n_rows: int, bags: int, pooling: int, n_batches: int
         off = np.zeros(bags + 1, np.int64)
         np.cumsum(sizes, out=off[1:])
         idx = draw(int(off[-1])).astype(np.int64)
-        out.append((torch.from_numpy(idx).to(device), torch.from_numpy(off).to(device)))
+        out.append(Batch(idx, off, np.unique(idx)))
     return out
 
 
-def all_raw_table(w: torch.Tensor):
-    """A CompressedTable whose rows are all stored raw: the IBP kernels then move raw bytes."""
-    from ibp_embed import _native
-    from ibp_embed.dtypes import as_rows
-    from ibp_embed.table import CompressedTable
-
-    rows, dtype, dim = as_rows(w)
-    n, r = rows.shape
-    word_bits = 32
-    m = -(-r // 4)
-    starts = np.arange(n + 1, dtype=np.uint64) * np.uint64(r)
-    block_base = np.ascontiguousarray(starts[::64])
-    rel_dtype = np.uint16 if _native.lib.ibp_rel_bytes(r) == 2 else np.uint32
-    rel = (starts - np.repeat(block_base, 64)[: n + 1]).astype(rel_dtype)
-    pad = int(_native.lib.ibp_tail_pad(r, word_bits))
-    payload = np.zeros(n * r + pad, np.uint8)
-    payload[: n * r] = rows.reshape(-1)
-    zeros = np.zeros((1, m), np.uint64)
-    return CompressedTable(shape=(n, dim), dtype=dtype, word_bits=word_bits, masks=zeros,
-                           bitvals=zeros.copy(), block_base=block_base, rel=rel, payload=payload,
-                           payload_bytes=n * r, validate=False)
+def granule_bytes(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Bytes a staged copy of each row fetches: whole 16-byte granules from the one
+    holding its first byte to the one holding its last (the payload is 16-aligned)."""
+    first = starts // GRANULE
+    last = (starts + lengths + GRANULE - 1) // GRANULE
+    return ((last - first) * GRANULE).astype(np.int64)
 
 
-# ---- timing ----
+# ---- methods ----
 
-def cuda_time(fn, batches, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn(idx, off) over the batches (cycled), CUDA events."""
-    for i in range(warmup):
-        fn(*batches[i % len(batches)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        idx, off = batches[i % len(batches)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(idx, off)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+@dataclass
+class Method:
+    name: str
+    run: object                 # run(batch) -> [B, D] float32 on the device
+    exact: bool                 # sums in libibp's order: must equal it bit for bit
+    pcie: object = None         # pcie(batch) -> modeled bytes over PCIe, None: "-"
+    ratio: float | None = None  # raw bytes / bytes read of the rows it reads
+    dedup: bool = False
+    cache: object = None        # a RowCache: warmed, timed once
+    check_errors: object = None  # raise if the kernels flagged errors
+    note: str = ""
+    out_eps: float = 0.0        # relative rounding of the method's output dtype (torch on half tables)
 
 
-def main() -> int:
+@dataclass
+class Result:
+    workload: str
+    method: str
+    ms: float = float("nan")
+    ms_min: float = float("nan")
+    pcie_bytes: float | None = None
+    ratio: float | None = None
+    distinct: float | None = None
+    dedup: bool = False
+    hit_rate: float | None = None
+    hbm_bytes: int | None = None
+    eff_gbs: float = float("nan")
+    check: str = "-"
+    ok: bool = True
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class Clock:
+    """CUDA events on a GPU, wall time under --emulate."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, body) -> float:
+        """Milliseconds of body()."""
+        if self.cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            body()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e)
+        t0 = time.perf_counter()
+        body()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def check_result(got: torch.Tensor, b: Batch, exact: bool, out_eps: float = 0.0) -> tuple[bool, str, float]:
+    """(ok, description, max error / tolerance) of a result against libibp's.
+
+    Summed in another order, a result differs from libibp's by rounding errors
+    that scale with the sum of |terms| (b.bound), not with the result: tolerance
+    1e-5 of that, plus the output's own rounding (out_eps) for half outputs."""
+    got = got.to(b.ref.device)
+    if got.shape != b.ref.shape:
+        return False, f"shape {tuple(got.shape)}", float("inf")
+    if torch.equal(got, b.ref):
+        return True, "exact", 0.0
+    tol = 1e-5 * (b.ref.abs() + b.bound) + out_eps * b.ref.abs() + 1e-30
+    worst = float(((got.double() - b.ref.double()).abs() / tol.double()).max())
+    if exact:
+        return False, f"NOT bit-exact (err/tol {worst:.2g})", worst
+    return worst <= 1.0, (f"ok, err/tol {worst:.2g}" if worst <= 1.0 else f"FAIL err/tol {worst:.2g}"), worst
+
+
+def run_method(m: Method, timed: list[Batch], warm: list[Batch], clock: Clock, repeats: int,
+               workload: str, row_bytes: int, distinct: float) -> Result:
+    r = Result(workload, m.name, dedup=m.dedup, distinct=distinct, ratio=m.ratio, note=m.note)
+    n_ids = statistics.mean(b.idx.size for b in timed)
+    try:
+        outs = []
+        if m.cache is not None:
+            for b in warm:  # warm on other batches of the same distribution
+                m.run(b)
+            clock.sync()
+            m.cache.reset_stats()
+            fetched0 = m.cache.table.fetched_bytes()
+            r.ms = r.ms_min = clock.time(lambda: outs.extend(m.run(b) for b in timed)) / len(timed)
+            r.hit_rate = m.cache.hit_rate
+            r.pcie_bytes = (m.cache.table.fetched_bytes() - fetched0) / len(timed)
+            r.hbm_bytes = m.cache.nbytes + m.cache.table.hbm_bytes
+            r.note = ", ".join(x for x in (r.note, f"{r.hbm_bytes / 2**20:.1f} MiB HBM") if x)
+            r.extra["cache"] = m.cache.stats()
+        else:
+            for b in timed:  # first calls: allocations, lazy module loading
+                m.run(b)
+            clock.sync()
+            times = [clock.time(lambda: [m.run(b) for b in timed]) / len(timed) for _ in range(repeats)]
+            r.ms, r.ms_min = statistics.median(times), min(times)
+            r.extra["times_ms"] = times
+            if m.pcie is not None:
+                r.pcie_bytes = statistics.mean(m.pcie(b) for b in timed)
+            outs = [m.run(b) for b in timed]  # the results checked (stateless: the same as timed)
+        if m.check_errors is not None:
+            m.check_errors()
+        worst, descs, ok = 0.0, set(), True
+        for b, out in zip(timed, outs):
+            good, desc, err = check_result(out, b, m.exact, m.out_eps)
+            ok &= good
+            worst = max(worst, err)
+            descs.add(desc.split(" (")[0].split(",")[0])
+        r.ok = ok
+        r.check = "exact" if descs == {"exact"} else \
+            (f"ok, err/tol {worst:.2g}" if ok else f"FAIL ({', '.join(sorted(descs))}; err/tol {worst:.2g})")
+    except Exception as e:  # noqa: BLE001 - one method's failure must not stop the others
+        r.ok = False
+        r.check = f"FAIL: {type(e).__name__}: {str(e)[:160]}"
+        log(f"{m.name} failed: {type(e).__name__}: {e}")
+    r.eff_gbs = n_ids * row_bytes / (r.ms / 1e3) / 1e9 if r.ms == r.ms else float("nan")
+    return r
+
+
+class _CountingSource:
+    """A RowCache source that counts the bytes its fetches move (the modeled PCIe bytes)."""
+
+    def __init__(self, inner, bytes_per_row: np.ndarray, device: torch.device, hbm_bytes: int = 0):
+        self.inner = inner
+        self.shape, self.dtype = tuple(inner.shape), inner.dtype
+        self.device = device
+        self._bytes = torch.as_tensor(bytes_per_row, dtype=torch.int64, device=device)
+        self._count = torch.zeros((), dtype=torch.int64, device=device)
+        self.hbm_bytes = hbm_bytes
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.device)
+        self._count += self._bytes[ids].sum()
+        if hasattr(self.inner, "check"):  # a CudaTable: stay asynchronous, errors are read after
+            return self.inner.gather(ids, check=False)
+        return self.inner.gather(ids)
+
+    def fetched_bytes(self) -> int:
+        return int(self._count)
+
+
+class _RawSource:
+    """Raw rows as a RowCache source: gather = index_select (over PCIe for zero-copy rows)."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w, self.shape, self.dtype, self.device = w, tuple(w.shape), w.dtype, w.device
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w.index_select(0, ids.to(self.w.device))
+
+
+# ---- the run ----
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=2_000_000)
-    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=None, help="table rows (default 2,000,000; --emulate 20,000)")
+    ap.add_argument("--dim", type=int, default=None, help="row elements (default 128; --emulate 32)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--init", default="uniform", choices=["uniform", "normal"])
-    ap.add_argument("--bags", type=int, default=16384, help="bags (samples) per batch")
-    ap.add_argument("--pooling", type=int, default=32, help="mean ids per bag")
+    ap.add_argument("--bags", type=int, default=None, help="bags per batch (default 16384; --emulate 256)")
+    ap.add_argument("--pooling", type=int, default=None, help="mean ids per bag (default 32; --emulate 8)")
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent")
-    ap.add_argument("--batches", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dists", default="uniform,zipf", help="id distributions, comma separated")
+    ap.add_argument("--timed-batches", type=int, default=None, help="distinct timed batches (default 8; --emulate 2)")
+    ap.add_argument("--warm-batches", type=int, default=None, help="cache warm-up batches (default 8; --emulate 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed passes of stateless methods (default 5; --emulate 1)")
+    ap.add_argument("--gather-rows", type=int, default=None, help="rows of the gather workload (default 262144; --emulate 2048)")
     ap.add_argument("--cache-load-factor", type=float, default=0.2)
-    ap.add_argument("--skip-host-gather", action="store_true", help="skip the CPU gather + H2D row")
+    ap.add_argument("--skip-host-gather", action="store_true", help="skip the CPU gather + H2D method")
+    ap.add_argument("--emulate", action="store_true",
+                    help="CPU-only: a reduced run through the kernels' host emulation (times are CPU times)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and whether a CUDA device is usable; exit 0")
     ap.add_argument("--table-out", help="also write the result table (markdown) to this file")
-    args = ap.parse_args()
+    ap.add_argument("--results-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    ap.add_argument("--no-json", action="store_true")
+    args = ap.parse_args(argv)
+    small = args.emulate
+    for name, full, reduced in (("rows", 2_000_000, 20_000), ("dim", 128, 32), ("bags", 16384, 256),
+                                ("pooling", 32, 8), ("timed_batches", 8, 2), ("warm_batches", 8, 2),
+                                ("repeats", 5, 1), ("gather_rows", 262144, 2048)):
+        if getattr(args, name) is None:
+            setattr(args, name, reduced if small else full)
+    args.dists = [d for d in args.dists.split(",") if d]
+    bad = [d for d in args.dists if d not in ("uniform", "zipf")]
+    if bad:
+        ap.error(f"unknown distributions {bad}")
+    return args
 
+
+def cuda_usable() -> tuple[bool, str]:
     if not torch.cuda.is_available():
-        print("no CUDA device: torch.cuda.is_available() is False; nothing to benchmark")
+        return False, "torch.cuda.is_available() is False"
+    try:
+        from ibp_embed import cuda
+        n = cuda.device_count()
+    except Exception as e:  # noqa: BLE001
+        return False, f"libibp_cuda unusable: {e}"
+    return (n > 0), (f"{n} device(s)" if n else "libibp_cuda sees no CUDA device")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ok_dev, why = cuda_usable()
+    if args.dry_run:
+        print(f"gpu_lookup plan: table {args.rows} x {args.dim} {args.dtype} ({args.init}), "
+              f"{args.bags} bags x ~{args.pooling} ids, {args.timed_batches} timed + "
+              f"{args.warm_batches} warm batches per distribution {args.dists}, {args.repeats} passes, "
+              f"cache load factor {args.cache_load_factor}, emulate={args.emulate}")
+        print(f"CUDA device: {'yes' if ok_dev else 'no'} ({why})" +
+              ("" if ok_dev or args.emulate else "; a real run needs a CUDA device (--emulate runs on the CPU)"))
+        return 0
+    if not args.emulate and not ok_dev:
+        print(f"gpu_lookup needs a CUDA device ({why}); run with --emulate for the CPU self-check, "
+              f"or --dry-run for the plan")
         return 2
+    return run(args)
+
+
+def run(args) -> int:
     import ibp_embed
     from ibp_embed import cuda
     from ibp_embed.cache import RowCache
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    props = torch.cuda.get_device_properties(dev)
-    log(f"device {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
-        f"torch {torch.__version__}")
+    from benchmarks import common
+
+    emulate = args.emulate
+    dev = torch.device("cpu") if emulate else torch.device("cuda", torch.cuda.current_device())
+    clock = Clock(dev)
     dtype = getattr(torch, args.dtype)
     n, dim = args.rows, args.dim
     row_bytes = dim * dtype.itemsize
-
-    # PCIe ceiling: pinned host -> device copies.
-    pinned = torch.empty(512 << 20, dtype=torch.uint8).pin_memory()
-    dst = torch.empty_like(pinned, device=dev)
-    dst.copy_(pinned, non_blocking=True)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(4):
+    info = {"emulate": emulate, "torch": torch.__version__}
+    if emulate:
+        log(f"EMULATION on the CPU: the kernels' code runs on the host; times are CPU times, "
+            f"not GPU times; torch {torch.__version__}")
+        h2d = float("nan")
+    else:
+        props = torch.cuda.get_device_properties(dev)
+        info.update(device=props.name, sms=props.multi_processor_count,
+                    device_memory=props.total_memory)
+        log(f"device {props.name}, {props.multi_processor_count} SMs, "
+            f"{props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}")
+        pinned = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+        dst = torch.empty_like(pinned, device=dev)
         dst.copy_(pinned, non_blocking=True)
-    e.record()
-    e.synchronize()
-    h2d = 4 * pinned.numel() / (s.elapsed_time(e) / 1e3) / 1e9
-    del pinned, dst
-    log(f"pinned host -> device copy: {h2d:.1f} GB/s")
+        ms = clock.time(lambda: [dst.copy_(pinned, non_blocking=True) for _ in range(4)])
+        h2d = 4 * pinned.numel() / (ms / 1e3) / 1e9
+        del pinned, dst
+        log(f"pinned host -> device copy: {h2d:.1f} GB/s (the PCIe ceiling)")
+    info["h2d_gbs"] = h2d
 
-    log(f"table {n} x {dim} {args.dtype} ({args.init} init), {n * row_bytes / 2**30:.2f} GiB raw")
-    w = make_table(n, dim, dtype, args.init, seed=0)
+    log(f"table {n} x {dim} {args.dtype} ({args.init} init), {n * row_bytes / 2**30:.3f} GiB raw")
+    w = make_table(n, dim, dtype, args.init, seed=0).contiguous()
     t0 = time.time()
     table = ibp_embed.compress(w, progress=False)
     log(f"compressed in {time.time() - t0:.1f}s: {table}")
-    raw = all_raw_table(w)
+    starts = table._row_starts().astype(np.int64)
+    ibp_gran = granule_bytes(starts[:-1], np.diff(starts))
+    raw_starts = np.arange(n, dtype=np.int64) * row_bytes
+    raw_gran = granule_bytes(raw_starts, np.full(n, row_bytes, np.int64))
+    raw_rows = np.full(n, row_bytes, np.int64)
 
-    results = []  # (workload, method, ms, GB/s, note)
-
-    def row(workload, method, ms, n_idx, note=""):
-        gbs = n_idx * row_bytes / (ms / 1e3) / 1e9 if ms == ms else float("nan")
-        results.append((workload, method, ms, gbs, note))
-        log(f"{workload:8s} {method:28s} {ms:9.3f} ms  {gbs:7.1f} GB/s  {note}")
-
-    # Placements.
-    ibp_host = cuda.CudaTable(table, dev, placement="host")
-    log(f"ibp host placement: {ibp_host.info()}")
-    ibp_dev = cuda.CudaTable(table, dev, placement="device")
-    raw_host = cuda.CudaTable(raw, dev, placement="host")
-    w_dev = w.to(dev)
-    # The raw table pinned and mapped: a torch CUDA tensor whose bytes live in host memory.
-    w_host = w.contiguous()
+    # ---- placements ----
     lib = cuda.load_library()
-    dptr = cuda.ffi.new("void **")
-    cuda.check(lib.ibp_cuda_host_register(cuda.ffi.cast("void *", w_host.data_ptr()),
-                                          w_host.numel() * w_host.element_size(), dptr),
-               "pinning the raw table", lib)
-    w_uvm = tensor_from_pointer(int(cuda.ffi.cast("uintptr_t", dptr[0])), (n, dim), dtype,
-                                KDL_CUDA, dev.index, owner=w_host)
-    w_pinned_cpu = w_host  # registered: the H2D copies of the host-gather row are DMA-able
+    cleanup = []
+    if emulate:
+        ibp_host = ibp_dev = None
+        w_dev = w
+        w_zero = w  # the raw rows the zero-copy methods read: here, host memory
+        raw_ptr = None
+        ibp_meta_hbm = 0
+        raw_status = None
+    else:
+        ibp_host = cuda.CudaTable(table, dev, placement="host")
+        ibp_dev = cuda.CudaTable(table, dev, placement="device")
+        cleanup += [ibp_host.close, ibp_dev.close]
+        ibp_meta_hbm = ibp_host.info()["device_bytes"]
+        log(f"ibp host placement: {ibp_host.info()}")
+        w_dev = w.to(dev)
+        dptr = cuda.ffi.new("void **")
+        cuda.check(lib.ibp_cuda_host_register(cuda.ffi.cast("void *", w.data_ptr()),
+                                              w.numel() * w.element_size(), dptr),
+                   "pinning the raw table", lib)
+        cleanup.append(lambda: lib.ibp_cuda_host_unregister(cuda.ffi.cast("void *", w.data_ptr())))
+        raw_ptr = int(cuda.ffi.cast("uintptr_t", dptr[0]))
+        try:
+            w_zero = tensor_from_pointer(raw_ptr, (n, dim), dtype, dev.index, owner=w)
+        except Exception as e:  # noqa: BLE001
+            log(f"no zero-copy torch tensor ({type(e).__name__}: {e}): torch zero-copy methods skipped")
+            w_zero = None
+        raw_status = torch.zeros(1, dtype=torch.int32, device=dev)
+    info.update(ratio=table.ratio, ibp_nbytes=table.nbytes, raw_nbytes=n * row_bytes,
+                ibp_metadata_hbm_bytes=ibp_meta_hbm, word_bits=table.word_bits, clusters=table.clusters)
 
-    # Decode throughput from HBM (gather, no PCIe), and from host memory.
-    g_idx = torch.randint(0, n, (1 << 20,), device=dev)
-    for name, ct in (("ibp device gather", ibp_dev), ("ibp host gather", ibp_host),
-                     ("ibp raw host gather", raw_host)):
-        ms = cuda_time(lambda i, o, ct=ct: ct.gather(i, check=False), [(g_idx, None)], args.iters,
-                       args.warmup)
-        row("gather", name, ms, g_idx.numel(), "1M random rows, decoded output")
-    ms = cuda_time(lambda i, o: w_dev.index_select(0, i), [(g_idx, None)], args.iters, args.warmup)
-    row("gather", "torch DEVICE index_select", ms, g_idx.numel())
-    ms = cuda_time(lambda i, o: w_uvm.index_select(0, i), [(g_idx, None)], args.iters, args.warmup)
-    row("gather", "torch UVM-like index_select", ms, g_idx.numel())
+    def raw_errors():
+        if raw_status is not None:
+            clock.sync()
+            st = int(raw_status.item())
+            raw_status.zero_()
+            if st:
+                raise RuntimeError(f"raw kernel error flags {st:#x}")
 
-    fbgemm = None
-    try:
-        import fbgemm_gpu  # noqa: F401
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (CacheAlgorithm,
-                                                                          EmbeddingLocation,
-                                                                          PoolingMode)
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        fbgemm = (CacheAlgorithm, EmbeddingLocation, PoolingMode, ComputeDevice,
-                  SplitTableBatchedEmbeddingBagsCodegen, SparseType)
-    except Exception as e:  # noqa: BLE001
-        fbgemm_note = f"fbgemm_gpu unavailable ({type(e).__name__}: {e}); FBGEMM rows skipped"
-        log(fbgemm_note)
+    half_eps = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
 
-    def fbgemm_module(location, cache_algo=None):
-        (CacheAlgorithm, EmbeddingLocation, PoolingMode, ComputeDevice, TBE, SparseType) = fbgemm
-        loc = getattr(EmbeddingLocation, location)
-        kw = dict(embedding_specs=[(n, dim, loc, ComputeDevice.CUDA)], pooling_mode=PoolingMode.SUM,
-                  weights_precision=SparseType.FP32 if dtype == torch.float32 else SparseType.FP16,
-                  output_dtype=SparseType.FP32, device=dev)
-        if location == "MANAGED_CACHING":
-            kw.update(cache_load_factor=args.cache_load_factor,
-                      cache_algorithm=cache_algo or CacheAlgorithm.LRU)
-        tbe = TBE(**kw)
-        with torch.no_grad():
-            tbe.split_embedding_weights()[0].copy_(w.to(tbe.split_embedding_weights()[0].dtype))
-        return tbe
-
-    for dist in ("uniform", "zipf"):
-        batches = make_batches(dist, n, args.bags, args.pooling, args.batches, args.alpha, 7, dev)
-        n_idx = statistics.mean(int(b[0].numel()) for b in batches)
-        uniq = statistics.mean(int(torch.unique(b[0]).numel()) for b in batches)
-        log(f"{dist}: {args.bags} bags, {n_idx:.0f} ids a batch, {uniq / n_idx:.1%} distinct")
-
-        def emb(weight):
-            return lambda i, o: F.embedding_bag(i, weight, o, mode="sum", include_last_offset=True)
-
-        row(dist, "torch DEVICE (HBM)", cuda_time(emb(w_dev), batches, args.iters, args.warmup), n_idx)
-        row(dist, "torch UVM-like (zero-copy)", cuda_time(emb(w_uvm), batches, args.iters, args.warmup),
-            n_idx)
-        if not args.skip_host_gather:
-            cpu_batches = [(i.cpu(), o) for i, o in batches]
-            staging = torch.empty((max(int(i.numel()) for i, _ in batches), dim),
-                                  dtype=dtype).pin_memory()
-
-            def host_gather(i_cpu, o):
-                k = i_cpu.numel()
-                torch.index_select(w_pinned_cpu, 0, i_cpu, out=staging[:k])
-                rows = staging[:k].to(dev, non_blocking=True)
-                ar = torch.arange(i_cpu.numel(), device=dev)
-                return F.embedding_bag(ar, rows, o, mode="sum", include_last_offset=True)
-            ms = cuda_time(host_gather, cpu_batches, max(3, args.iters // 3), 1)
-            row(dist, "torch host gather + H2D", ms, n_idx, "CPU index_select")
-        for name, ct in (("ibp host dedup", ibp_host), ("ibp raw host dedup", raw_host),
-                         ("ibp device dedup", ibp_dev)):
-            ms = cuda_time(lambda i, o, ct=ct: ct.lookup(i, o, check=False), batches, args.iters,
-                           args.warmup)
-            row(dist, name, ms, n_idx)
-        for name, ct in (("ibp host fused", ibp_host), ("ibp raw host fused", raw_host)):
-            ms = cuda_time(lambda i, o, ct=ct: ct.lookup(i, o, dedup=False, check=False), batches,
-                           args.iters, args.warmup)
-            row(dist, name, ms, n_idx)
-        cache = RowCache(ibp_host, load_factor=args.cache_load_factor, policy="lru")
-        for i, o in batches * 2:  # warm the cache
-            cache.lookup(i, o)
-        cache.reset_stats()
-        ms = cuda_time(lambda i, o: cache.lookup(i, o), batches, args.iters, 0)
-        row(dist, f"ibp host + cache {args.cache_load_factor}", ms, n_idx,
-            f"hit rate {cache.hit_rate:.2f}, {cache.nbytes / 2**20:.0f} MiB")
-        ibp_host.check()
-        if fbgemm is not None:
-            for loc in ("DEVICE", "MANAGED", "MANAGED_CACHING"):
-                try:
-                    tbe = fbgemm_module(loc)
-                    with torch.no_grad():
-                        ms = cuda_time(lambda i, o, tbe=tbe: tbe(i, o), batches, args.iters, args.warmup)
-                    row(dist, f"FBGEMM {loc}", ms, n_idx)
-                    del tbe
-                except Exception as e:  # noqa: BLE001
-                    log(f"FBGEMM {loc} failed: {type(e).__name__}: {e}")
-                    results.append((dist, f"FBGEMM {loc}", float("nan"), float("nan"), "failed"))
+    def methods(tag: str) -> list[Method]:
+        """The methods of one workload (fresh caches for each)."""
+        raw_read = lambda b: int(b.idx.size) * row_bytes  # noqa: E731 - torch kernels: one raw row an id
+        ms: list[Method] = []
+        if emulate:
+            ms.append(Method("ibp host dedup (emulated)", lambda b: cuda.emulate_lookup(table, b.idx, b.off),
+                             True, lambda b: int(ibp_gran[b.distinct].sum()), None, dedup=True))
+            ms.append(Method("ibp host fused (emulated)",
+                             lambda b: cuda.emulate_lookup(table, b.idx, b.off, dedup=False),
+                             True, lambda b: int(ibp_gran[b.idx].sum())))
+            ms.append(Method("raw zero-copy kernel (emulated)", lambda b: emulate_raw_lookup(w, b.idx, b.off),
+                             True, lambda b: int(raw_gran[b.idx].sum()), 1.0))
+            ms.append(Method("torch embedding_bag (CPU)",
+                             lambda b: F.embedding_bag(b.idx_t, w_dev, b.off_t, mode="sum",
+                                                       include_last_offset=True).float(), False, out_eps=half_eps))
         else:
-            results.append((dist, "FBGEMM (all placements)", float("nan"), float("nan"),
-                            "skipped: fbgemm_gpu not importable"))
+            ms.append(Method("ibp host dedup", lambda b: ibp_host.lookup(b.idx_t, b.off_t, check=False),
+                             True, lambda b: int(ibp_gran[b.distinct].sum()), None, dedup=True,
+                             check_errors=ibp_host.check))
+            ms.append(Method("ibp host fused", lambda b: ibp_host.lookup(b.idx_t, b.off_t, dedup=False,
+                                                                          check=False),
+                             True, lambda b: int(ibp_gran[b.idx].sum()), check_errors=ibp_host.check))
+            ms.append(Method("ibp device dedup (HBM)", lambda b: ibp_dev.lookup(b.idx_t, b.off_t, check=False),
+                             True, lambda b: 0, dedup=True, check_errors=ibp_dev.check))
+            ms.append(Method("raw zero-copy kernel (UVM stand-in)",
+                             lambda b: raw_lookup(raw_ptr, n, dtype, dim, b.idx_t, b.off_t, status=raw_status,
+                                                  check=False),
+                             True, lambda b: int(raw_gran[b.idx].sum()), 1.0, check_errors=raw_errors))
+            ms.append(Method("raw kernel HBM",
+                             lambda b: raw_lookup(w_dev.data_ptr(), n, dtype, dim, b.idx_t, b.off_t,
+                                                  status=raw_status, check=False),
+                             True, lambda b: 0, check_errors=raw_errors))
+            ms.append(Method("torch DEVICE (HBM)",
+                             lambda b: F.embedding_bag(b.idx_t, w_dev, b.off_t, mode="sum",
+                                                       include_last_offset=True).float(), False, lambda b: 0,
+                             out_eps=half_eps))
+            if w_zero is not None:
+                ms.append(Method("torch zero-copy",
+                                 lambda b: F.embedding_bag(b.idx_t, w_zero, b.off_t, mode="sum",
+                                                           include_last_offset=True).float(),
+                                 False, raw_read, 1.0, out_eps=half_eps))
+            if not args.skip_host_gather:
+                staging = {}
 
-    lines = [
-        f"GPU lookup benchmark, {time.strftime('%Y-%m-%d')}, {props.name}, torch {torch.__version__}",
-        f"table {n} x {dim} {args.dtype} ({args.init} init), IBP ratio {table.ratio:.3f}; "
-        f"{args.bags} bags x ~{args.pooling} ids; Zipf alpha {args.alpha}; pinned H2D copy {h2d:.1f} GB/s",
-        "GB/s = raw bytes of the rows looked up / time (so it can exceed the PCIe rate)",
-        "",
-        "| workload | method | ms/batch | GB/s | vs UVM-like | note |",
-        "|---|---|---|---|---|---|",
-    ]
-    base = {wl: ms for wl, m, ms, _, _ in results if m.startswith("torch UVM-like")}
-    for wl, m, ms, gbs, note in results:
-        speed = base.get(wl, float("nan")) / ms if ms == ms else float("nan")
-        lines.append(f"| {wl} | {m} | {ms:.3f} | {gbs:.1f} | {speed:.2f}x | {note} |")
-    text = "\n".join(lines) + "\n"
-    print()
-    print(text, end="")
+                def host_gather(b):
+                    k = b.idx.size
+                    if staging.get("n", 0) < k:
+                        staging["buf"] = torch.empty((k, dim), dtype=dtype).pin_memory()
+                        staging["n"] = k
+                    buf = staging["buf"][:k]
+                    torch.index_select(w, 0, torch.from_numpy(b.idx), out=buf)
+                    rows = buf.to(dev, non_blocking=True)
+                    return F.embedding_bag(torch.arange(k, device=dev), rows, b.off_t, mode="sum",
+                                           include_last_offset=True).float()
+                ms.append(Method("torch host gather + H2D", host_gather, False, raw_read, 1.0,
+                                 note="CPU index_select", out_eps=half_eps))
+        # Caches at equal HBM: the raw one also gets the HBM the IBP metadata takes.
+        cap = int(args.cache_load_factor * n)
+        extra = ibp_meta_hbm // row_bytes
+        ibp_src = _CountingSource(table if emulate else ibp_host, ibp_gran, dev, ibp_meta_hbm)
+        c_ibp = RowCache(ibp_src, capacity=cap, policy="lru", device=dev)
+        ms.append(Method(f"cache {args.cache_load_factor:g} over ibp host", lambda b: c_ibp.lookup(b.idx_t, b.off_t),
+                         False, None, None, dedup=True, cache=c_ibp,
+                         check_errors=None if emulate else ibp_host.check))
+        raw_src_rows = w if emulate else w_zero
+        if raw_src_rows is not None:
+            raw_src = _CountingSource(_RawSource(raw_src_rows), raw_rows, dev)
+            c_raw = RowCache(raw_src, capacity=min(n, cap + extra), policy="lru", device=dev)
+            ms.append(Method(f"cache {args.cache_load_factor:g} over raw zero-copy",
+                             lambda b: c_raw.lookup(b.idx_t, b.off_t), False, None, 1.0, dedup=True,
+                             cache=c_raw, note=f"MANAGED_CACHING stand-in, {extra} more rows"))
+        ms += fbgemm_methods(args, w, dev, n, dim, dtype, raw_read) if not emulate else []
+        return ms
+
+    results: list[Result] = []
+
+    # ---- gather workload: decode throughput (bit-exact against libibp's gather) ----
+    g_idx = np.random.default_rng(3).integers(0, n, args.gather_rows)
+    g_ref = table.gather(g_idx).to(dev)
+    g_idx_t = torch.from_numpy(g_idx).to(dev)
+    gathers = [("ibp host gather (emulated)", lambda: cuda.emulate_gather(table, g_idx), ibp_gran[g_idx].sum())] \
+        if emulate else [
+        ("ibp device gather (HBM)", lambda: ibp_dev.gather(g_idx_t, check=False), 0),
+        ("ibp host gather", lambda: ibp_host.gather(g_idx_t, check=False), ibp_gran[g_idx].sum()),
+        ("torch DEVICE index_select", lambda: w_dev.index_select(0, g_idx_t), 0)]
+    if not emulate and w_zero is not None:
+        gathers.append(("torch zero-copy index_select", lambda: w_zero.index_select(0, g_idx_t),
+                        args.gather_rows * row_bytes))
+    for name, fn, pcie in gathers:
+        r = Result("gather", name, pcie_bytes=float(pcie), distinct=np.unique(g_idx).size / g_idx.size)
+        try:
+            fn()
+            clock.sync()
+            times = [clock.time(fn) for _ in range(args.repeats)]
+            r.ms, r.ms_min = statistics.median(times), min(times)
+            got = fn()
+            if not emulate and name.startswith("ibp"):
+                (ibp_dev if "device" in name else ibp_host).check()
+            r.ok = torch.equal(got.contiguous().view(torch.uint8), g_ref.contiguous().view(torch.uint8))
+            r.check = "exact" if r.ok else "FAIL: not bit-exact"
+        except Exception as e:  # noqa: BLE001
+            r.ok, r.check = False, f"FAIL: {type(e).__name__}: {str(e)[:160]}"
+            log(f"{name} failed: {type(e).__name__}: {e}")
+        r.eff_gbs = args.gather_rows * row_bytes / (r.ms / 1e3) / 1e9 if r.ms == r.ms else float("nan")
+        if name.startswith("ibp") and pcie:
+            r.ratio = args.gather_rows * row_bytes / float(pcie)
+        results.append(r)
+        log(f"gather   {name:40s} {r.ms:9.3f} ms  {r.eff_gbs:7.1f} GB/s  {r.check}")
+    del g_ref
+
+    # ---- pooled lookups ----
+    for di, dist in enumerate(args.dists):
+        timed = make_batches(dist, n, args.bags, args.pooling, args.timed_batches, args.alpha, 100 + di)
+        warm = make_batches(dist, n, args.bags, args.pooling, args.warm_batches, args.alpha, 200 + di)
+        w_abs = w_dev.abs()
+        for b in timed + warm:
+            b.idx_t, b.off_t = torch.from_numpy(b.idx).to(dev), torch.from_numpy(b.off).to(dev)
+        for b in timed:
+            b.ref = table.lookup(b.idx, b.off).to(dev)
+            b.bound = F.embedding_bag(b.idx_t, w_abs, b.off_t, mode="sum", include_last_offset=True).float()
+        del w_abs
+        n_ids = statistics.mean(b.idx.size for b in timed)
+        distinct = statistics.mean(b.distinct.size / b.idx.size for b in timed)
+        ibp_ratio = statistics.mean(float(b.distinct.size * row_bytes / ibp_gran[b.distinct].sum()) for b in timed)
+        log(f"{dist}: {args.bags} bags, {n_ids:.0f} ids a batch, {distinct:.1%} distinct")
+        for m in methods(dist):
+            if m.ratio is None and m.name.startswith(("ibp", "cache")) and "raw" not in m.name:
+                m.ratio = ibp_ratio
+            r = run_method(m, timed, warm, clock, args.repeats, dist, row_bytes, distinct)
+            results.append(r)
+            hit = f"hit {r.hit_rate:.2f}" if r.hit_rate is not None else ""
+            log(f"{dist:8s} {m.name:40s} {r.ms:9.3f} ms  {r.eff_gbs:7.1f} GB/s  {hit} {r.check}")
+        del timed, warm
+
+    for f in cleanup:
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001
+            log(f"cleanup: {type(e).__name__}: {e}")
+
+    # ---- report ----
+    base = {r.workload: r.ms for r in results if r.method.startswith("raw zero-copy kernel")}
+    headers = ["workload", "method", "dedup", "ms/batch", "PCIe MB/batch", "ratio", "distinct",
+               "hit rate", "eff GB/s", "vs raw zero-copy", "check"]
+    rows = []
+    for r in results:
+        speed = base.get(r.workload, float("nan")) / r.ms if r.ms == r.ms and r.ms else float("nan")
+        rows.append([r.workload, r.method + (f" ({r.note})" if r.note else ""), "yes" if r.dedup else "no",
+                     common.fmt(r.ms, 3), common.fmt(None if r.pcie_bytes is None else r.pcie_bytes / 1e6, 2),
+                     common.fmt(r.ratio, 3), common.fmt(r.distinct, 3), common.fmt(r.hit_rate, 3),
+                     common.fmt(r.eff_gbs, 1), common.fmt(speed, 2) + ("x" if speed == speed else ""), r.check])
+    where = "EMULATION on the CPU (times are CPU times, not GPU times)" if emulate else info.get("device", "?")
+    head = [f"GPU lookup benchmark, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}",
+            f"table {n} x {dim} {args.dtype} ({args.init} init), IBP ratio {table.ratio:.3f} "
+            f"(W={table.word_bits}, K={table.clusters}); {args.bags} bags x ~{args.pooling} ids; Zipf alpha "
+            f"{args.alpha}; pinned H2D copy {common.fmt(h2d, 1)} GB/s; {args.timed_batches} timed batches, "
+            f"caches warmed on {args.warm_batches} others",
+            "PCIe MB/batch: modeled bytes read from host memory; ratio: raw bytes / bytes read of the rows "
+            "read; distinct: distinct ids / ids; eff GB/s: raw bytes of all looked-up rows / time",
+            ""]
+    text = "\n".join(head) + common.markdown_table(headers, rows, "lllrrrrrrrl") + "\n"
+    failed = [r for r in results if not r.ok]
+    if not args.no_json:
+        path = common.write_json({
+            "benchmark": "gpu_lookup", "args": vars(args), "info": info,
+            "machine": common.machine_info(),
+            "results": [vars(r) for r in results], "failed": [r.method for r in failed]},
+            "gpu_lookup_emulate" if emulate else "gpu_lookup",
+            results_dir=Path(args.results_dir) if args.results_dir else common.RESULTS_DIR)
+        log(f"wrote {path}")
     if args.table_out:
         Path(args.table_out).write_text(text)
-    for ct in (ibp_host, ibp_dev, raw_host):
-        ct.close()
-    lib.ibp_cuda_host_unregister(cuda.ffi.cast("void *", w_host.data_ptr()))
-    return 0
+    if failed:
+        log(f"{len(failed)} result(s) failed their check: {', '.join(r.workload + '/' + r.method for r in failed)}")
+    print()
+    print(text, end="")
+    return 1 if failed else 0
+
+
+def fbgemm_methods(args, w, dev, n, dim, dtype, raw_read) -> list[Method]:
+    """FBGEMM TBE placements, where fbgemm_gpu's CUDA build imports (not on the lent GPU machine)."""
+    try:
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (CacheAlgorithm,
+                                                                          EmbeddingLocation)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    except Exception as e:  # noqa: BLE001
+        log(f"fbgemm_gpu unavailable ({type(e).__name__}: {e}): FBGEMM methods skipped")
+        return []
+    out = []
+    for loc in ("DEVICE", "MANAGED", "MANAGED_CACHING"):
+        try:
+            kw = dict(embedding_specs=[(n, dim, getattr(EmbeddingLocation, loc), ComputeDevice.CUDA)],
+                      weights_precision=SparseType.FP32 if dtype == torch.float32 else SparseType.FP16,
+                      output_dtype=SparseType.FP32, device=dev)
+            if loc == "MANAGED_CACHING":
+                kw.update(cache_load_factor=args.cache_load_factor, cache_algorithm=CacheAlgorithm.LRU)
+            tbe = SplitTableBatchedEmbeddingBagsCodegen(**kw)
+            with torch.no_grad():
+                tbe.split_embedding_weights()[0].copy_(w.to(tbe.split_embedding_weights()[0].dtype))
+
+            def run(b, tbe=tbe):
+                with torch.no_grad():
+                    return tbe(b.idx_t, b.off_t).float()
+            out.append(Method(f"FBGEMM {loc}", run, False, raw_read if loc == "MANAGED" else None))
+        except Exception as e:  # noqa: BLE001
+            log(f"FBGEMM {loc} unavailable: {type(e).__name__}: {e}")
+    return out
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ and reports "no CUDA device", and the kernels' code run on the host
 per-lane decoding lane by lane, the same pooling arithmetic) matches libibp bit
 for bit, gathers and lookups (weighted ones too: both use fma), also with many
 rows and bags per warp; the raw-row baseline kernel's emulation matches libibp
-and torch.
+and torch; the GPU benchmark runs its reduced --emulate mode.
 With a GPU (marked `gpu`): CudaTable against the CPU path, bit for bit for
 gathers and within 1e-6 relative for pooling (bit for bit in the large test,
 whose batches give every warp of every kernel several rows and bags), the raw
@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 import ibp_embed
 from ibp_embed import cuda
-from ibp_embed.dtypes import LOOKUP_DTYPES
 from ibp_embed.errors import FormatError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -564,6 +563,47 @@ def test_makefile_werror_can_be_dropped():
     default, relaxed = commands(), commands("WERROR=")
     assert default and all("-Werror" in c for c in default)
     assert len(relaxed) == len(default) and not any("-Werror" in c for c in relaxed)
+
+
+# ---- the GPU benchmark's CPU self-check ----
+
+def test_gpu_benchmark_help_and_dry_run():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for args in (["--help"], ["--dry-run"]):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_lookup", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CUDA device:" in proc.stdout
+
+
+def test_gpu_benchmark_emulate_mode_checks_every_result(cuda_lib, tmp_path, capsys):
+    """The benchmark's whole flow on the CPU: every method's results checked against
+    libibp, the byte model, the cache warmed on other batches than it is timed on."""
+    import json
+
+    from benchmarks import gpu_lookup
+
+    rc = gpu_lookup.main(["--emulate", "--rows", "4000", "--dim", "24", "--dtype", "bfloat16",
+                          "--bags", "64", "--timed-batches", "2", "--warm-batches", "2",
+                          "--results-dir", str(tmp_path), "--table-out", str(tmp_path / "t.md")])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    table = (tmp_path / "t.md").read_text()
+    assert out.rstrip().endswith(table.rstrip())  # the table is printed last
+    assert "EMULATION" in table and "PCIe MB/batch" in table and "hit rate" in table
+    (path,) = tmp_path.glob("gpu_lookup_emulate-*.json")
+    res = json.loads(path.read_text())
+    assert not res["failed"]
+    by = {(r["workload"], r["method"]): r for r in res["results"]}
+    for wl in ("uniform", "zipf"):
+        assert by[(wl, "ibp host dedup (emulated)")]["check"] == "exact"
+        assert by[(wl, "raw zero-copy kernel (emulated)")]["check"] == "exact"
+        dedup, fused = by[(wl, "ibp host dedup (emulated)")], by[(wl, "ibp host fused (emulated)")]
+        # (rows of 48 bytes: the 16-byte granules can cost more than compression saves)
+        assert dedup["pcie_bytes"] < fused["pcie_bytes"] and 0.5 < dedup["ratio"] < 2.0
+        cache = by[(wl, "cache 0.2 over ibp host")]
+        assert 0.0 < cache["hit_rate"] < 1.0 and cache["extra"]["cache"]["lookups"] == 2
+        assert cache["pcie_bytes"] < fused["pcie_bytes"]
 
 
 # ---- (d): on a GPU ----
