@@ -7,7 +7,9 @@ and reports "no CUDA device", and the kernels' code run on the host
 per-lane decoding lane by lane, the same pooling arithmetic) matches libibp bit
 for bit, gathers and lookups (weighted ones too: both use fma), also with many
 rows and bags per warp; the raw-row baseline kernel's emulation matches libibp
-and torch; the GPU benchmark runs its reduced --emulate mode.
+and torch; the GPU benchmark runs its reduced --emulate mode, the sanitizer
+driver of benchmarks/gpu_check.sh runs through the emulation, the script parses,
+and `make WERROR=` drops -Werror (for the GPU machine's compilers).
 With a GPU (marked `gpu`): CudaTable against the CPU path, bit for bit for
 gathers and within 1e-6 relative for pooling (bit for bit in the large test,
 whose batches give every warp of every kernel several rows and bags), the raw
@@ -551,7 +553,7 @@ def test_emulated_raw_lookup_errors(cuda_lib):
         emulate_raw_lookup(buf[1:].view(50, 8), [1], [0, 1])
 
 
-# ---- the build on other machines ----
+# ---- the build on other machines, and the GPU check script ----
 
 def test_makefile_werror_can_be_dropped():
     """CI builds with -Werror; `make WERROR=` (gpu_check.sh on the GPU machine) without."""
@@ -563,6 +565,22 @@ def test_makefile_werror_can_be_dropped():
     default, relaxed = commands(), commands("WERROR=")
     assert default and all("-Werror" in c for c in default)
     assert len(relaxed) == len(default) and not any("-Werror" in c for c in relaxed)
+    assert "make lib cuda WERROR=" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+
+
+def test_gpu_check_script_parses_and_has_help():
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    proc = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "--dry-run" in proc.stdout and "--download-wheels" in proc.stdout
+
+
+def test_sanitizer_driver_runs_through_the_emulation(cuda_lib):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_sanitize.py"), "--emulate"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "every result matched libibp" in proc.stdout
 
 
 # ---- the GPU benchmark's CPU self-check ----
