@@ -439,18 +439,25 @@ def _loop_table(dtype, dim, word_bits, n_rows, seed=0):
     return w, t
 
 
-def _loop_batch(n_rows, n_ids, n_bags, grid, seed):
-    """A batch with duplicates, single-id bags and a run of 2 x grid + 1 empty bags
-    (every warp's seek passes over two of them); the caller makes the other bags
-    outnumber the grid's warps several times."""
-    idx, off, w = _batch(n_rows, n_ids, n_bags, seed)
+def _loop_batch(n_rows, n_bags, grid, seed, pooling=10):
+    """Bags of 1 to 2 x pooling ids, every 97th bag empty, 50 single-id bags, a
+    3 x pooling last bag and a run of 2 x grid + 1 empty bags (every warp's seek
+    passes over two of them): (ids with duplicates, offsets, weights). The caller
+    makes the other bags outnumber the grid's warps several times."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 2 * pooling + 1, n_bags)
+    sizes[::97] = 0
     lo, run = n_bags // 3, 2 * grid + 1
-    off[lo:lo + run + 1] = off[lo]
-    off[2 * n_bags // 3:2 * n_bags // 3 + 50] = np.arange(50) + off[2 * n_bags // 3]
-    off = np.maximum.accumulate(off)
-    off[-1] = n_ids
-    assert (np.diff(off) >= 0).all() and (np.diff(off) == 0).sum() >= run
-    return idx, off, w
+    sizes[lo:lo + run] = 0
+    sizes[2 * n_bags // 3:2 * n_bags // 3 + 50] = 1
+    sizes[-1] = 3 * pooling
+    off = np.zeros(n_bags + 1, np.int64)
+    np.cumsum(sizes, out=off[1:])
+    n_ids = int(off[-1])
+    idx = rng.integers(0, n_rows, n_ids)
+    k = n_ids // 4
+    idx[:k] = idx[k:2 * k]  # duplicates
+    return idx, off, rng.standard_normal(n_ids).astype(np.float32)
 
 
 def _check_loops(t, gather, lookup, idx, off, wts, raw_lookup=None):
@@ -472,18 +479,20 @@ def _check_loops(t, gather, lookup, idx, off, wts, raw_lookup=None):
 @pytest.mark.parametrize("dtype,dim,word_bits", LOOP_CASES, ids=LOOP_IDS)
 def test_emulated_kernels_walk_many_rows_and_bags_per_warp(cuda_lib, emulated_grid, dtype, dim,
                                                            word_bits):
-    """200,000 ids in 20,000 bags (and a run of 8,449 empty ones) on an H100-sized
-    grid (4,224 warps): each warp decodes ~47 rows of the gather and of the
-    dedup's distinct rows, and pools ~5 bags, so the next-row prefetch, the buffer
-    swap and the move to the next bag run many times, in the kernels' own loop
-    code (loops.cuh)."""
+    """About 200,000 ids in 20,000 bags (and a run of 8,449 empty ones) on an
+    H100-sized grid (4,224 warps): each warp decodes ~47 rows of the gather and
+    ~7 of the dedup's distinct rows, and pools ~5 bags, so the next-row prefetch,
+    the buffer swap and the move to the next bag run many times, in the kernels'
+    own loop code (loops.cuh)."""
     from benchmarks.raw_baseline import emulate_raw_lookup
 
     emulated_grid(H100_GRID_WARPS)
-    n_ids, n_bags, n_rows = 200_000, 20_000 + 2 * H100_GRID_WARPS + 1, 30_000
+    n_bags, n_rows = 20_000 + 2 * H100_GRID_WARPS + 1, 30_000
     w, t = _loop_table(dtype, dim, word_bits, n_rows)
-    idx, off, wts = _loop_batch(n_rows, n_ids, n_bags, H100_GRID_WARPS, 7)
-    assert np.unique(idx).size > 4 * H100_GRID_WARPS and n_bags > 4 * H100_GRID_WARPS
+    idx, off, wts = _loop_batch(n_rows, n_bags, H100_GRID_WARPS, 7)
+    full = int((np.diff(off) > 0).sum())
+    assert idx.size > 190_000 and full > 4 * H100_GRID_WARPS
+    assert np.unique(idx).size > 4 * H100_GRID_WARPS
     _check_loops(t, lambda i: cuda.emulate_gather(t, i),
                  lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts,
                  lambda i, o, wt, m: emulate_raw_lookup(w, i, o, wt, m))
@@ -496,7 +505,7 @@ def test_emulated_results_do_not_depend_on_the_grid(cuda_lib, emulated_grid, war
 
     emulated_grid(warps)
     w, t = _loop_table(torch.float32, 24, 64, 500, seed=3)
-    idx, off, wts = _loop_batch(500, 3000, 400, 20, 9)
+    idx, off, wts = _loop_batch(500, 400, 20, 9)
     _check_loops(t, lambda i: cuda.emulate_gather(t, i),
                  lambda i, o, wt, m, d: cuda.emulate_lookup(t, i, o, wt, m, d), idx, off, wts,
                  lambda i, o, wt, m: emulate_raw_lookup(w, i, o, wt, m))
@@ -689,18 +698,17 @@ def test_gpu_lookup_matches_cpu(gpu_ready, case, dedup, placement):
     ct.close()
 
 
-def _loop_sizes(props) -> tuple[int, int, int, int]:
-    """(ids, bags, table rows, grid warps) such that every warp of every kernel's grid
+def _loop_sizes(props) -> tuple[int, int, int]:
+    """(bags, table rows, grid warps) such that every warp of every kernel's grid
     gets several items on this device: the row kernels' grids hold at most the
     SMs' resident warps (64 an SM on sm_80/sm_90), the dedup pooling kernel's at
-    most 16 blocks of 8 warps an SM."""
+    most 16 blocks of 8 warps an SM; _loop_batch puts ~10 ids in a bag."""
     sms = props.multi_processor_count
     grid = sms * getattr(props, "max_threads_per_multi_processor", 2048) // 32
     pool_grid = sms * 16 * 8
-    n_bags = max(20_000, 2 * max(grid, pool_grid) + 1) + 2 * grid + 1  # + _loop_batch's empty run
-    n_ids = max(200_000, 10 * n_bags)
+    n_bags = max(20_000, 3 * max(grid, pool_grid)) + 2 * grid + 1  # + _loop_batch's empty run
     n_rows = max(30_000, 4 * grid)  # the dedup path's distinct rows outnumber the grid too
-    return n_ids, n_bags, n_rows, grid
+    return n_bags, n_rows, grid
 
 
 def _register(t: torch.Tensor) -> int:
@@ -730,10 +738,11 @@ def test_gpu_kernels_walk_many_rows_and_bags_per_warp(gpu_ready, placement, dtyp
     from benchmarks.raw_baseline import raw_lookup
 
     props = torch.cuda.get_device_properties(gpu_ready)
-    n_ids, n_bags, n_rows, grid = _loop_sizes(props)
+    n_bags, n_rows, grid = _loop_sizes(props)
     w, t = _loop_table(dtype, dim, word_bits, n_rows)
-    idx, off, wts = _loop_batch(n_rows, n_ids, n_bags, grid, 7)
-    assert np.unique(idx).size > 2 * grid and idx.size > 2 * grid
+    idx, off, wts = _loop_batch(n_rows, n_bags, grid, 7)
+    assert np.unique(idx).size > 2 * grid and idx.size > 20 * grid
+    assert int((np.diff(off) > 0).sum()) > 2 * max(grid, props.multi_processor_count * 128)
     ct = cuda.CudaTable(t, gpu_ready, placement=placement)
     info = ct.info()
     assert info["staged"] and info["warps_per_block"] * 32 <= 1024
