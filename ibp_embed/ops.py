@@ -139,6 +139,16 @@ def dedup_pool(gather, ids: torch.Tensor, offsets: torch.Tensor, weights: Option
     return out
 
 
+def _check_on_cpu(what: str, *tensors: Optional[torch.Tensor]) -> None:
+    """The operators decode host tables on the CPU: device ids would reach libibp as
+    device pointers."""
+    for x in tensors:
+        if x is not None and x.device.type != "cpu":
+            raise RuntimeError(f"{what}: torch.ops.ibp lookups take CPU tensors, got one on {x.device} "
+                               f"(a module on cuda looks its tables up eagerly and cannot be scripted, "
+                               f"traced or exported: capture it on the CPU)")
+
+
 def _bad_id(idx: torch.Tensor, n_rows: int) -> int:
     bad = idx[(idx < 0) | (idx >= n_rows)]
     return int(bad[0]) if bad.numel() else -1
@@ -163,6 +173,7 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
         raise ValueError(f"{what}: indices must be 1-D and offsets 1-D with B + 1 entries")
     if indices.is_floating_point() or offsets.is_floating_point():
         raise TypeError(f"{what}: ids and offsets must be integers, got {indices.dtype} / {offsets.dtype}")
+    _check_on_cpu(what, indices, offsets, per_sample_weights)
     idx = indices.to(torch.int64).contiguous()
     off = offsets.to(torch.int64).contiguous()
     w = None
@@ -209,6 +220,7 @@ def gather(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.Tensor,
     _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes, what)
     if indices.is_floating_point():
         raise TypeError(f"{what}: ids must be integers, got {indices.dtype}")
+    _check_on_cpu(what, indices)
     idx = indices.to(torch.int64).contiguous().reshape(-1)
     out = torch.empty((idx.numel(), row_bytes), dtype=torch.uint8)
     if idx.numel():

@@ -117,8 +117,10 @@ def test_module_cache_serves_the_same_rows(emulated, policy):
     assert 0.0 < stats["t0"]["hit_rate"] < 1.0 and stats["t0"]["inserts"] > 0
     cache = dev.embedding_bags["t0"].device_table.cache
     assert cache.capacity == 300
-    assert dev.memory_stats()["cache_bytes"] == sum(
-        b.device_table.cache.nbytes for b in dev.embedding_bags.values())
+    stats = dev.memory_stats()
+    assert stats["cache_bytes"] == sum(b.device_table.cache.nbytes for b in dev.embedding_bags.values())
+    # the placed tables' codebooks and offsets indexes (2 bytes a row here) are device memory too
+    assert stats["device_bytes"] > stats["cache_bytes"] + 2 * 3700
     with pytest.raises(ValueError, match="cache_load_factor"):
         IBPEmbeddingBagCollection(configs(), device="cuda", cache_load_factor=1.5)
     with pytest.raises(ValueError, match="cache_policy"):
@@ -134,6 +136,38 @@ def test_module_on_cuda_errors_name_the_feature(emulated):
     with pytest.raises(TypeError, match="integers"):
         dev(KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([1.0, 2.0, 3.0]),
                               lengths=torch.tensor([1, 1, 1])))
+
+
+def test_moving_a_module_on_cuda_keeps_its_rows_on_the_host(emulated):
+    """.to("cuda") of a placed module applies nothing to the packed buffers (they stay in
+    host memory); another device index places the tables again."""
+    cpu, dev = cpu_and_cuda(configs(), cache_load_factor=0.1)
+    bag = dev.embedding_bags["t0"]
+    placed, payload = bag.device_table, bag.payload
+
+    class OnDevice:  # what a .to(device) fn returns for the probe (no CUDA tensors here)
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+
+    calls = []
+    dev._apply(lambda t: calls.append(t) or OnDevice(0))
+    assert all(c.numel() == 0 for c in calls)  # only the probes: no buffer was moved
+    assert bag.device_table is placed and bag.payload is payload
+    dev._apply(lambda t: OnDevice(1))
+    assert bag.device_table is not placed and bag.device_table.device == torch.device("cuda", 1)
+    assert bag.device_table.cache is not None and dev.device == torch.device("cuda", 1)
+    close(dev(batch()).values(), cpu(batch()).values())
+
+
+def test_graph_capture_on_cuda_is_a_clear_error(emulated):
+    import torchrec.fx
+
+    _, dev = cpu_and_cuda(configs())
+    with pytest.raises(RuntimeError, match="cannot be traced"):
+        torchrec.fx.symbolic_trace(dev)
+    scripted = torch.jit.script(dev)
+    with pytest.raises(Exception, match="is on cuda"):
+        scripted(batch())
 
 
 def test_module_on_cuda_checkpoints_and_copies(emulated, tmp_path):
@@ -293,6 +327,18 @@ def test_kernel_on_cuda_trains_like_cpu(emulated, one_rank):
     assert str(st.local_shards()[0].metadata.placement) == "rank:0/cpu"
 
 
+def test_kernel_on_cuda_in_eval_mode_stays_on_the_device(emulated):
+    """eval() without no_grad() must not turn the tables into (host-read) training stores."""
+    cpu, dev = kernels({"optimizer": "exact_sgd", "learning_rate": 0.1, "cache_load_factor": 0.2})
+    dev.eval()
+    kjt = batch()
+    close(dev(kjt), cpu.eval()(kjt))
+    assert all(d is not None for d in dev._device_tables)
+    empty = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.zeros(0, dtype=torch.int64),
+                              lengths=torch.zeros(0, dtype=torch.int64), stride=0)
+    assert dev(empty).shape == (0, 40)
+
+
 @no_gpu
 def test_kernel_on_cuda_without_a_gpu_is_a_clear_error():
     with cuda.emulation(False), pytest.raises(cuda.NoCudaDeviceError, match="no CUDA device"):
@@ -312,19 +358,22 @@ def test_sharder_offers_the_kernel_on_cuda():
 
 
 def test_planner_costs_the_kernel_on_cuda():
+    from torchrec import EmbeddingBagCollection
     from torchrec.distributed.planner import Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.types import CacheParams
 
     from ibp_embed.torchrec import IBPPerfEstimatorConfig, ibp_planner
-    from torchrec import EmbeddingBagCollection
 
-    cfg = IBPPerfEstimatorConfig(cuda_bandwidth_factor=1.2)
     hbm, ddr, pcie = 900.0, 50.0, 32.0
+    cfg = IBPPerfEstimatorConfig(cpu_bandwidth_factor=0.4, cuda_bandwidth_factor=1.2, is_inference=True)
     uvm_caching = cfg.get_device_bw("cuda", EmbeddingComputeKernel.FUSED_UVM_CACHING.value, hbm, ddr, 0, pcie, 0.2)
     ibp_cached = cfg.get_device_bw("cuda", IBP_COMPUTE_KERNEL, hbm, ddr, 0, pcie, 0.2)
     assert ibp_cached == pytest.approx((0.2 * hbm + 0.8 * 1.2 * pcie) / 10) and ibp_cached > uvm_caching
     assert cfg.get_device_bw("cuda", IBP_COMPUTE_KERNEL, hbm, ddr, 0, pcie) == pytest.approx(1.2 * pcie / 10)
+    training = IBPPerfEstimatorConfig(cpu_bandwidth_factor=0.4, cuda_bandwidth_factor=1.2)
+    # training on cuda looks rows up on the host, cache or not: costed as the CPU kernel
+    assert training.get_device_bw("cuda", IBP_COMPUTE_KERNEL, hbm, ddr, 0, pcie, 0.2) == pytest.approx(0.4 * ddr)
 
     tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=100_000, embedding_dim=64, feature_names=[f"f{i}"])
               for i in range(2)]
@@ -335,23 +384,36 @@ def test_planner_costs_the_kernel_on_cuda():
         "t1": ParameterConstraints(sharding_types=[TW], compute_kernels=[IBP_COMPUTE_KERNEL]),
     }
     topology = Topology(world_size=2, compute_device="cuda")
-    planner = ibp_planner(topology, batch_size=512, constraints=constraints, compression_ratios={"t0": 1.25, "t1": 1.25})
-    plan = planner.plan(ebc, [IBPEmbeddingBagCollectionSharder()])
-    ps = plan.plan[""]
-    assert ps["t0"].compute_kernel == ps["t1"].compute_kernel == IBP_COMPUTE_KERNEL
-    assert ps["t0"].sharding_type == RW and ps["t1"].sharding_type == TW
-    assert ps["t0"].cache_params.load_factor == 0.1
-    # storage: compressed rows in host memory, the cache (and its bookkeeping) in HBM
-    so = {o.name: o for o in planner._enumerator.enumerate(ebc, [IBPEmbeddingBagCollectionSharder()])
-          if o.compute_kernel == IBP_COMPUTE_KERNEL and o.sharding_type in (RW, TW)}
-    raw_shard = 50_000 * 64 * 4
-    t0_shard = so["t0"].shards[0].storage
-    assert t0_shard.ddr >= raw_shard / 1.25
+    ratios = {"t0": 1.25, "t1": 1.25}
+    raw_shard, t1_raw = 50_000 * 64 * 4, 100_000 * 64 * 4
+    index = 2.125  # bytes a row of the offsets index placed on the device (16-bit entries here)
+
+    def storages(is_inference, sharder):
+        planner = ibp_planner(topology, batch_size=512, constraints=constraints, compression_ratios=ratios,
+                              is_inference=is_inference)
+        plan = planner.plan(ebc, [sharder]).plan[""]
+        assert plan["t0"].compute_kernel == plan["t1"].compute_kernel == IBP_COMPUTE_KERNEL
+        assert plan["t0"].sharding_type == RW and plan["t1"].sharding_type == TW
+        return {o.name: o.shards[0].storage for o in planner._enumerator.enumerate(ebc, [sharder])
+                if o.compute_kernel == IBP_COMPUTE_KERNEL and o.sharding_type in (RW, TW)}
+
+    # inference: compressed rows in host memory; index, cache and its bookkeeping in HBM
+    st = storages(True, IBPEmbeddingBagCollectionSharder())
+    assert raw_shard / 1.25 <= st["t0"].ddr < raw_shard
     cached = 5_000
-    assert t0_shard.hbm >= raw_shard * 0.1 + 4 * 50_000 + 24 * cached
-    t1_raw = 100_000 * 64 * 4
-    assert so["t1"].shards[0].storage.ddr >= t1_raw / 1.25
-    assert so["t1"].shards[0].storage.hbm < t1_raw * 0.02  # no cache: HBM for batch I/O only
+    t0_device = raw_shard * 0.1 + 4 * 50_000 + 24 * cached + index * 50_000
+    assert t0_device <= st["t0"].hbm < t0_device + 0.01 * raw_shard
+    t1_device = index * 100_000
+    assert t1_device <= st["t1"].hbm < t1_device + 0.02 * t1_raw  # no cache: the index and batch I/O
+    # a cache asked for in the sharder's fused_params (LFU) counts as one in cache_params
+    st = storages(True, IBPEmbeddingBagCollectionSharder(fused_params={"cache_load_factor": 0.2,
+                                                                        "cache_algorithm": "LFU"}))
+    assert st["t0"].hbm >= t0_device  # cache_params (0.1) wins over fused_params, as in TorchRec
+    assert st["t1"].hbm >= t1_raw * 0.2 + 12 * 100_000 + 24 * 20_000 + t1_device
+    # training: nothing placed on the device; the optimizer state (default SGD: none) on the host
+    st = storages(False, IBPEmbeddingBagCollectionSharder())
+    assert st["t0"].hbm < 0.05 * raw_shard and st["t1"].hbm < 0.05 * t1_raw  # batch I/O only
+    assert raw_shard / 1.25 <= st["t0"].ddr < raw_shard
 
 
 # ---- on a real GPU (benchmarks/gpu_check.sh) ----

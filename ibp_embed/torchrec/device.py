@@ -92,6 +92,11 @@ class DeviceTable:
     def cache_nbytes(self) -> int:
         return 0 if self.cache is None else self.cache.nbytes
 
+    @property
+    def device_nbytes(self) -> int:
+        """Device memory it holds: the placed table's (codebook, offsets index) and the cache's."""
+        return int(self.placed.info()["device_bytes"]) + self.cache_nbytes
+
     def close(self) -> None:
         self.cache = None
         self.placed.close()
@@ -124,6 +129,8 @@ def device_pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence, weighted: bool
         weights = weights.to(storage, torch.float32)
         if weights.numel() != values.numel():
             raise ValueError(f"{who}: {weights.numel()} weights for {values.numel()} ids")
+    if b == 0:
+        return torch.empty((0, sum(s.dim for s in slots)), dtype=torch.float32, device=storage)
     bounds = offsets[::b].tolist()  # where each key's values start (one small copy)
     outs = []
     for s, k in zip(slots, key_index):
@@ -134,10 +141,8 @@ def device_pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence, weighted: bool
         try:
             outs.append(s.table.lookup(values[lo:hi], offsets[k * b:(k + 1) * b + 1] - lo,
                                        None if weights is None else weights[lo:hi], s.mode))
-        except IndexError as e:
-            raise IndexError(f"{who}: feature {s.feature!r} of table {s.table_name!r}: {e}") from None
-        except ValueError as e:
-            raise ValueError(f"{who}: feature {s.feature!r} of table {s.table_name!r}: {e}") from None
+        except (IndexError, ValueError, TypeError) as e:
+            raise type(e)(f"{who}: feature {s.feature!r} of table {s.table_name!r}: {e}") from None
     if not outs:
         return torch.empty((b, 0), dtype=torch.float32, device=storage)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

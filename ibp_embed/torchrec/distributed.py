@@ -76,8 +76,8 @@ IBP_SHARDING_TYPES = (
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
 )
-# Offered for the IBP kernel only on CPU: TorchRec's sharder lists them for CUDA, but
-# the shardings themselves run on CPU with gloo.
+# TorchRec's sharder lists these for CUDA only; its shardings run on CPU with gloo too,
+# so on CPU the sharder adds them, for the IBP kernel alone.
 _ROW_SHARDINGS = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
 

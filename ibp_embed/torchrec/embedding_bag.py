@@ -158,7 +158,9 @@ class IBPEmbeddingBag(nn.Module):
                 per_sample_weights: Optional[torch.Tensor] = None, feature: str = "") -> torch.Tensor:
         """Pooled lookup as nn.EmbeddingBag's (offsets with B + 1 entries): [B, dim] float32."""
         what = self._what if feature == "" else "feature '" + feature + "' of " + self._what
-        if self.on_cuda and not torch.jit.is_scripting():
+        if self.on_cuda:
+            if torch.jit.is_scripting():
+                raise RuntimeError(what + " is on cuda: its lookups run eagerly (script the module on the CPU)")
             return self._device_lookup(input, offsets, per_sample_weights, what)
         if self.payload.numel() == 0 and input.device.type != "meta":
             if not torch.jit.is_scripting():
@@ -176,7 +178,7 @@ class IBPEmbeddingBag(nn.Module):
                                        " is trainable: look it up through the collection"))
         try:
             return self._device_table.lookup(input, offsets, per_sample_weights, self.mode)
-        except (IndexError, ValueError) as e:
+        except (IndexError, ValueError, TypeError) as e:
             raise type(e)(f"{what}: {e}") from None
 
     @torch.jit.unused
@@ -191,8 +193,9 @@ class IBPEmbeddingBag(nn.Module):
         # is placed there. Otherwise buffers move as any module's; the table view follows.
         here = self.payload.device if not self.on_cuda else cuda.storage_device(self._target)
         there = fn(torch.empty(0, device=here)).device
-        if there != here and there.type == "cuda":
-            self.place(there, **self._cache_options)
+        if there.type == "cuda":  # the buffers never go to the GPU
+            if not self.on_cuda or there != self._target:
+                self.place(there, **self._cache_options)
             return self
         if there != here and self.on_cuda:
             self.place(None)

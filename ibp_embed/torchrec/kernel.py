@@ -166,7 +166,9 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         n_features = sum(len(t.feature_names) for t in self._config.embedding_tables)
         if len(features.keys()) != n_features:
             raise ValueError(f"IBP kernel: {len(features.keys())} input keys for {n_features} features")
-        training = torch.is_grad_enabled() and features.values().device.type != "meta"
+        # Only a module in training mode becomes trainable (updatable stores, host lookups on
+        # cuda): eval() without no_grad() keeps the immutable, device-decoded tables.
+        training = self.training and torch.is_grad_enabled() and features.values().device.type != "meta"
         if training:
             self._make_trainable()
         elif self.on_cuda and not any(isinstance(t, UpdatableTable) for t in self._tables) \

@@ -316,7 +316,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         figures: raw_bytes, compressed_bytes held now, packed_bytes, and for trainable
         tables live / slack / dead / free / index bytes), plus
         optimizer_state_bytes: the optimizer state (uncompressed);
-        cache_bytes (on cuda): device memory of the HBM row caches;
+        cache_bytes, device_bytes (on cuda): device memory of the HBM row caches, and
+            all the device memory the tables hold (caches, codebooks, offsets indexes);
         total_bytes: compressed_bytes + optimizer_state_bytes;
         raw_total_bytes: raw_bytes + optimizer_state_bytes (the uncompressed model with
             the same optimizer state, for comparison)."""
@@ -325,8 +326,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         stats.update(raw_bytes=self.raw_nbytes, optimizer_state_bytes=opt,
                      total_bytes=stats["compressed_bytes"] + opt, raw_total_bytes=self.raw_nbytes + opt)
         if self._device.type == "cuda":
-            stats["cache_bytes"] = sum(b.device_table.cache_nbytes for b in self.embedding_bags.values()
-                                       if b.device_table is not None)
+            placed = [b.device_table for b in self.embedding_bags.values() if b.device_table is not None]
+            stats["cache_bytes"] = sum(d.cache_nbytes for d in placed)
+            stats["device_bytes"] = sum(d.device_nbytes for d in placed)
         return stats
 
     def reset_parameters(self) -> None:
@@ -369,6 +371,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         input keys no table reads are ignored unless strict_features=True)."""
         features = maybe_td_to_kjt(features, None)
         if not torch.jit.is_scripting():
+            if is_fx_tracing() and self._device.type == "cuda":
+                raise RuntimeError("IBPEmbeddingBagCollection on cuda looks its tables up eagerly and cannot be "
+                                   "traced: trace (or script, export) the module on the CPU")
             if not is_fx_tracing():
                 self._check_features(features)
             if self._trainable:

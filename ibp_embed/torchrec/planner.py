@@ -26,6 +26,7 @@ from torchrec.distributed.planner.types import ParameterConstraints, ShardingOpt
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from .distributed import IBP_COMPUTE_KERNEL, IBP_SHARDING_TYPES, is_ibp
+from .._native import lib
 from .lookup import check_codec_options
 
 __all__ = [
@@ -74,26 +75,30 @@ class IBPPerfEstimatorConfig(EmbeddingPerfEstimatorConfig):
     """TorchRec's default perf model plus a bandwidth for the IBP customized_kernel.
 
     On CPU the kernel is costed like FBGEMM's fused kernel at cpu_bandwidth_factor x
-    the topology's DDR bandwidth. On CUDA it is costed like fused_uvm_caching (or
-    fused_uvm without a cache), its PCIe bandwidth times cuda_bandwidth_factor (the
-    bytes saved by compression): (c x HBM + (1 - c) x factor x HBM-to-DDR) / 10 for a
-    cache of c = cache_load_factor of the rows (0 without one). Every other kernel is
-    costed as by TorchRec.
+    the topology's DDR bandwidth. On CUDA, for inference, it is costed like
+    fused_uvm_caching (or fused_uvm without a cache), its PCIe bandwidth times
+    cuda_bandwidth_factor (the bytes saved by compression: set it to your tables'
+    ratio): (c x HBM + (1 - c) x factor x HBM-to-DDR) / 10 for a cache of c =
+    cache_load_factor of the rows (0 without one). Training on CUDA looks rows up on the
+    host (see ibp_embed.torchrec.device), so it is costed as on CPU and uses no cache.
+    Every other kernel is costed as by TorchRec.
     """
 
     def __init__(self, cpu_bandwidth_factor: float = DEFAULT_CPU_BANDWIDTH_FACTOR,
-                 cuda_bandwidth_factor: float = DEFAULT_CUDA_BANDWIDTH_FACTOR) -> None:
+                 cuda_bandwidth_factor: float = DEFAULT_CUDA_BANDWIDTH_FACTOR,
+                 is_inference: bool = False) -> None:
         super().__init__()
         if not cpu_bandwidth_factor > 0 or not cuda_bandwidth_factor > 0:
             raise ValueError("cpu_bandwidth_factor and cuda_bandwidth_factor must be positive")
         self.cpu_bandwidth_factor = float(cpu_bandwidth_factor)
         self.cuda_bandwidth_factor = float(cuda_bandwidth_factor)
+        self.is_inference = bool(is_inference)
 
     def get_device_bw(self, compute_device, compute_kernel, hbm_mem_bw, ddr_mem_bw, ssd_mem_bw,
                       hbm_to_ddr_mem_bw, caching_ratio=None, prefetch_pipeline=False):
         if is_ibp(compute_kernel):
             device = compute_device.lower()
-            if device == "cpu":
+            if device == "cpu" or (device == "cuda" and not self.is_inference):
                 return self.cpu_bandwidth_factor * ddr_mem_bw
             if device == "cuda":
                 c = float(caching_ratio or 0.0)
@@ -107,9 +112,12 @@ class IBPStorageEstimator(EmbeddingStorageEstimator):
     """TorchRec's storage estimator, with IBP shards counted at their compressed size.
 
     An IBP shard costs host memory (DDR) of raw_bytes / ratio plus, when training, its
-    optimizer state (uncompressed, on the host, as TorchRec counts it). On CUDA it also
-    costs HBM for its cache: cache_load_factor x the shard's decoded rows plus the
-    cache's bookkeeping (ibp_embed.cache.RowCache: 4 bytes a row, 24 a cached row).
+    optimizer state (uncompressed, on the host, as TorchRec counts it). An inference
+    shard on CUDA also costs HBM: its offsets index (ibp_embed.cuda places it on the
+    device: rel_bytes + 1/8 a row) and its cache, cache_load_factor (from the plan's
+    cache_params, else the sharder's fused_params) x the shard's decoded rows plus the
+    cache's bookkeeping (ibp_embed.cache.RowCache: 4 bytes a row, 8 more with LFU, 24 a
+    cached row). Training on CUDA places nothing on the device.
     The ratio of a table is, in order: compression_ratios[name]; measured by
     compressing a sample of up to sample_rows rows when the planned tensor holds values;
     default_ratio (1.0 when nothing is known: conservative).
@@ -153,6 +161,7 @@ class IBPStorageEstimator(EmbeddingStorageEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
         super().estimate(sharding_options, sharder_data_map)
+        on_device = self._topology.compute_device == "cuda" and self._is_inference
         for so in sharding_options:
             if not is_ibp(so.compute_kernel):
                 continue
@@ -166,7 +175,8 @@ class IBPStorageEstimator(EmbeddingStorageEstimator):
                     getattr(so.tensor, "_optimizer_classes", [None])[0], shape)
             except ImportError:  # pragma: no cover - private helper moved
                 opt_mult = 0.0
-            clf = self._cache_load_factor(so) if self._topology.compute_device == "cuda" else 0.0
+            fused = getattr((sharder_data_map or {}).get(so.module_type_key), "fused_params", None) or {}
+            clf, lfu = _cache_params(so, fused) if on_device else (0.0, False)
             for shard in so.shards:
                 if shard.storage is None:
                     continue
@@ -176,17 +186,29 @@ class IBPStorageEstimator(EmbeddingStorageEstimator):
                 if self._topology.compute_device == "cpu":
                     ddr = max(shard.storage.ddr - stock, 0) + host
                     shard.storage = Storage(hbm=shard.storage.hbm, ddr=ddr, ssd=shard.storage.ssd)
-                else:  # host memory, whatever the compute device; the cache in HBM
+                else:  # host memory, whatever the compute device; index and cache in HBM
                     rows = shard.size[0]
                     cached = int(clf * rows)
-                    cache = math.ceil(raw * cached / rows) + 4 * rows + 24 * cached if cached else 0
-                    hbm = max(shard.storage.hbm - stock, 0) + cache
+                    device = 0
+                    if on_device:
+                        device = math.ceil(rows * (lib.ibp_rel_bytes(shard.size[1] * so.tensor.element_size())
+                                                   + 0.125))
+                    if cached:
+                        device += math.ceil(raw * cached / rows) + (12 if lfu else 4) * rows + 24 * cached
+                    hbm = max(shard.storage.hbm - stock, 0) + device
                     shard.storage = Storage(hbm=hbm, ddr=shard.storage.ddr + host, ssd=shard.storage.ssd)
 
-    @staticmethod
-    def _cache_load_factor(so: ShardingOption) -> float:
-        clf = so.cache_load_factor
-        return float(clf) if clf else 0.0
+
+
+def _cache_params(so: ShardingOption, fused_params: Dict[str, Any]) -> Tuple[float, bool]:
+    """(cache_load_factor, LFU?) of a sharding option: its cache_params, else the
+    sharder's fused_params, as TorchRec reads them."""
+    clf = so.cache_load_factor
+    if clf is None:
+        clf = fused_params.get("cache_load_factor")
+    algo = so.cache_params.algorithm if so.cache_params and so.cache_params.algorithm is not None else \
+        fused_params.get("cache_algorithm")
+    return float(clf or 0.0), str(getattr(algo, "name", algo)).upper() == "LFU"
 
 
 def ibp_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None, *,
@@ -196,7 +218,8 @@ def ibp_estimators(topology: Topology, constraints: Optional[Dict[str, Parameter
                    codec_options: Optional[Dict[str, Any]] = None) -> list:
     """[perf, storage] estimators for EmbeddingEnumerator that can cost customized_kernel."""
     perf = EmbeddingPerfEstimator(topology=topology, constraints=constraints, is_inference=is_inference,
-                                  config=IBPPerfEstimatorConfig(cpu_bandwidth_factor, cuda_bandwidth_factor))
+                                  config=IBPPerfEstimatorConfig(cpu_bandwidth_factor, cuda_bandwidth_factor,
+                                                                is_inference))
     storage = IBPStorageEstimator(topology=topology, constraints=constraints, is_inference=is_inference,
                                   compression_ratios=compression_ratios, default_ratio=default_ratio,
                                   codec_options=codec_options)
