@@ -1,5 +1,5 @@
-/* Row kernels for AVX-512 CPUs (Ice Lake, Zen 4 and newer): the v3 kernels, plus a
- * decoder that handles W = 64 rows eight words per step instead of one.
+/* Row kernels for AVX-512 CPUs (Ice Lake, Zen 4 and newer): the v3 kernels, plus
+ * decoders that handle W = 64 rows eight words per step (W = 32: sixteen) instead of one.
  *
  * Per step of 8 words: the header byte is the lane mask of participating words;
  * field lengths (vbits or 64) are prefix-summed across lanes to get each field's
@@ -77,7 +77,146 @@ static __attribute__((noinline)) uint32_t decode_words64_avx512(const uint8_t *h
     return j;
 }
 
+/* Decode words [0, 16 * floor(full / 16)) of a W = 32 row; returns how many. The W = 64
+ * steps above with sixteen 32-bit lanes: each lane's field is cut from two 4-byte
+ * gathers of the window (a field starts at any bit of its first byte and spans at most
+ * 5 bytes). Two header bytes give the step's lane mask. */
+static __attribute__((noinline)) uint32_t decode_words32_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
+                                             const uint64_t *mask, const uint64_t *bitval,
+                                             const uint8_t *vbits, uint32_t full, uint8_t *out)
+{
+    const __m512i w32 = _mm512_set1_epi32(32);
+    const __m512i ones = _mm512_set1_epi32(-1);
+    const __m512i bytes0123 = _mm512_set1_epi32(0x03020100);
+    const __m512i bytes_x4 = _mm512_set1_epi32(0x04040404);
+    const __m512i splat_byte = _mm512_set1_epi32(0x01010101);
+    const __m512i zero = _mm512_setzero_si512();
+    uint64_t pos = *pos_io;
+    uint32_t j = 0;
+    for (; j + 16 <= full; j += 16) {
+        __mmask16 part = (__mmask16)(hdr[j / 8] | (hdr[j / 8 + 1] << 8));
+        __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(vbits + j)));
+        __m512i n = _mm512_sub_epi32(w32, _mm512_and_si512(_mm512_sub_epi32(w32, vb), _mm512_movm_epi32(part)));
+        __m512i incl = _mm512_add_epi32(n, _mm512_alignr_epi32(n, zero, 15));
+        incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 14));
+        incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 12));
+        incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 8));
+        __m512i at = _mm512_add_epi32(_mm512_sub_epi32(incl, n), _mm512_set1_epi32((int)(pos & 7)));
+        const uint8_t *win = bs + (pos >> 3);
+        __m512i lo = _mm512_loadu_si512((const void *)win);
+        __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
+        __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(at, 3), splat_byte), bytes0123);
+        __m512i b0 = _mm512_permutex2var_epi8(lo, idx, hi);                             /* bytes k..k+3 */
+        __m512i b4 = _mm512_permutex2var_epi8(lo, _mm512_add_epi32(idx, bytes_x4), hi); /* bytes k+4..k+7 */
+        __m512i sh = _mm512_and_si512(at, _mm512_set1_epi32(7));
+        __m512i field = _mm512_or_si512(_mm512_srlv_epi32(b0, sh),
+                                        _mm512_sllv_epi32(b4, _mm512_sub_epi32(w32, sh))); /* shift 32 gives 0 */
+        field = _mm512_andnot_si512(_mm512_sllv_epi32(ones, n), field);                 /* keep n bits */
+        /* masks and bit values are stored as 64-bit words: narrow 16 of them */
+        __m512i m = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_loadu_si512(mask + j))),
+                                       _mm512_cvtepi64_epi32(_mm512_loadu_si512(mask + j + 8)), 1);
+        __m512i bv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_loadu_si512(bitval + j))),
+                                        _mm512_cvtepi64_epi32(_mm512_loadu_si512(bitval + j + 8)), 1);
+        m = _mm512_maskz_mov_epi32(part, m);
+        while (_mm512_test_epi32_mask(m, m)) {
+            __m512i low_bit = _mm512_and_si512(m, _mm512_sub_epi32(zero, m));
+            __m512i run = _mm512_andnot_si512(_mm512_add_epi32(m, low_bit), m);
+            __m512i below = _mm512_sub_epi32(low_bit, _mm512_set1_epi32(1)); /* all ones when m == 0 */
+            __m512i len = _mm512_popcnt_epi32(run);
+            field = _mm512_or_si512(_mm512_and_si512(field, below),
+                                    _mm512_sllv_epi32(_mm512_andnot_si512(below, field), len));
+            m = _mm512_xor_si512(m, run);
+        }
+        field = _mm512_or_si512(field, _mm512_maskz_mov_epi32(part, bv));
+        _mm512_storeu_si512((void *)(out + (size_t)j * 4), field);
+        pos += (uint64_t)_mm512_reduce_add_epi32(n);
+    }
+    *pos_io = pos;
+    return j;
+}
+
+/* 8 64-bit words narrowed to 8 16-bit lanes */
+static inline __m128i narrow16(const uint64_t *p)
+{
+    return _mm512_cvtepi64_epi16(_mm512_loadu_si512((const void *)p));
+}
+
+/* lane i <- lane i - k of 32 16-bit lanes, zeros below */
+static inline __m512i shift_words_up(__m512i x, int k)
+{
+    const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                          15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_maskz_permutexvar_epi16((__mmask32)(0xffffffffu << k),
+                                          _mm512_sub_epi16(lane, _mm512_set1_epi16((short)k)), x);
+}
+
+/* Decode words [0, 32 * floor(full / 32)) of a W = 16 row; returns how many. The same
+ * steps with thirty-two 16-bit lanes (a field spans at most 3 bytes: two 2-byte
+ * gathers); four header bytes give the lane mask. */
+static __attribute__((noinline)) uint32_t decode_words16_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
+                                             const uint64_t *mask, const uint64_t *bitval,
+                                             const uint8_t *vbits, uint32_t full, uint8_t *out)
+{
+    const __m512i w16 = _mm512_set1_epi16(16);
+    const __m512i ones = _mm512_set1_epi16(-1);
+    const __m512i bytes01 = _mm512_set1_epi16(0x0100);
+    const __m512i bytes_x2 = _mm512_set1_epi16(0x0202);
+    const __m512i splat_byte = _mm512_set1_epi16(0x0101);
+    const __m512i zero = _mm512_setzero_si512();
+    uint64_t pos = *pos_io;
+    uint32_t j = 0;
+    for (; j + 32 <= full; j += 32) {
+        uint32_t bits;
+        memcpy(&bits, hdr + j / 8, 4);
+        __mmask32 part = (__mmask32)bits;
+        __m512i vb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(vbits + j)));
+        __m512i n = _mm512_sub_epi16(w16, _mm512_and_si512(_mm512_sub_epi16(w16, vb), _mm512_movm_epi16(part)));
+        __m512i incl = _mm512_add_epi16(n, shift_words_up(n, 1));
+        incl = _mm512_add_epi16(incl, shift_words_up(incl, 2));
+        incl = _mm512_add_epi16(incl, shift_words_up(incl, 4));
+        incl = _mm512_add_epi16(incl, shift_words_up(incl, 8));
+        incl = _mm512_add_epi16(incl, shift_words_up(incl, 16));
+        __m512i at = _mm512_add_epi16(_mm512_sub_epi16(incl, n), _mm512_set1_epi16((short)(pos & 7)));
+        const uint8_t *win = bs + (pos >> 3);
+        __m512i lo = _mm512_loadu_si512((const void *)win);
+        __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
+        __m512i idx = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_srli_epi16(at, 3), splat_byte), bytes01);
+        __m512i b0 = _mm512_permutex2var_epi8(lo, idx, hi);                             /* bytes k, k+1 */
+        __m512i b2 = _mm512_permutex2var_epi8(lo, _mm512_add_epi16(idx, bytes_x2), hi); /* bytes k+2, k+3 */
+        __m512i sh = _mm512_and_si512(at, _mm512_set1_epi16(7));
+        __m512i field = _mm512_or_si512(_mm512_srlv_epi16(b0, sh),
+                                        _mm512_sllv_epi16(b2, _mm512_sub_epi16(w16, sh))); /* shift 16 gives 0 */
+        field = _mm512_andnot_si512(_mm512_sllv_epi16(ones, n), field);                 /* keep n bits */
+        /* masks and bit values are stored as 64-bit words: narrow 32 of them */
+        __m512i m = _mm512_castsi128_si512(narrow16(mask + j));
+        __m512i bv = _mm512_castsi128_si512(narrow16(bitval + j));
+        m = _mm512_inserti32x4(m, narrow16(mask + j + 8), 1);
+        bv = _mm512_inserti32x4(bv, narrow16(bitval + j + 8), 1);
+        m = _mm512_inserti32x4(m, narrow16(mask + j + 16), 2);
+        bv = _mm512_inserti32x4(bv, narrow16(bitval + j + 16), 2);
+        m = _mm512_inserti32x4(m, narrow16(mask + j + 24), 3);
+        bv = _mm512_inserti32x4(bv, narrow16(bitval + j + 24), 3);
+        m = _mm512_maskz_mov_epi16(part, m);
+        while (_mm512_test_epi16_mask(m, m)) {
+            __m512i low_bit = _mm512_and_si512(m, _mm512_sub_epi16(zero, m));
+            __m512i run = _mm512_andnot_si512(_mm512_add_epi16(m, low_bit), m);
+            __m512i below = _mm512_sub_epi16(low_bit, _mm512_set1_epi16(1)); /* all ones when m == 0 */
+            __m512i len = _mm512_popcnt_epi16(run);
+            field = _mm512_or_si512(_mm512_and_si512(field, below),
+                                    _mm512_sllv_epi16(_mm512_andnot_si512(below, field), len));
+            m = _mm512_xor_si512(m, run);
+        }
+        field = _mm512_or_si512(field, _mm512_maskz_mov_epi16(part, bv));
+        _mm512_storeu_si512((void *)(out + (size_t)j * 2), field);
+        pos += (uint64_t)_mm512_reduce_add_epi32(_mm512_madd_epi16(n, _mm512_set1_epi16(1)));
+    }
+    *pos_io = pos;
+    return j;
+}
+
 #define IBP_DECODE_WORDS64_SIMD decode_words64_avx512
+#define IBP_DECODE_WORDS32_SIMD decode_words32_avx512
+#define IBP_DECODE_WORDS16_SIMD decode_words16_avx512
 #define IBP_EXTRACT(w, mask, W) _pext_u64((w), ~(mask) & ibp_low_bits(W))
 #define IBP_DEPOSIT(x, mask, W) _pdep_u64((x), ~(mask) & ibp_low_bits(W))
 #define IBP_HALF_TO_FLOAT(h) _cvtsh_ss(h)

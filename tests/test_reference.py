@@ -327,15 +327,16 @@ def test_property_random_codebooks(n, r, w, k, seed, p_word, p_random):
     check_against_reference(rows, w, masks, bitvals)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 12), r=st.integers(56, 300), k=st.integers(1, 3),
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 12), r=st.integers(56, 300), w=st.sampled_from(WORD_BITS), k=st.integers(1, 3),
        seed=st.integers(0, 2**32 - 1), p_word=st.floats(0.0, 1.0))
-def test_property_long_rows(n, r, k, seed, p_word):
-    """Rows of 7+ words of 64 bits: the AVX-512 decoder's 8-word steps, then its scalar tail."""
+def test_property_long_rows(n, r, w, k, seed, p_word):
+    """Rows of 7 to 150 words: the AVX-512 decoders' steps of 8 (W = 64), 16 (W = 32) and
+    32 (W = 16) words, then their scalar tails, on every path."""
     rng = random.Random(seed)
-    masks, bitvals = random_codebook(rng, k, r, 64)
-    rows = rows_for(rng, n, r, 64, masks, bitvals, p_word=p_word, p_random=0.1)
-    check_against_reference(rows, 64, masks, bitvals)
+    masks, bitvals = random_codebook(rng, k, r, w)
+    rows = rows_for(rng, n, r, w, masks, bitvals, p_word=p_word, p_random=0.1)
+    check_against_reference(rows, w, masks, bitvals)
 
 
 # ---------------------------------------------------------------- validity
