@@ -50,6 +50,8 @@ $(BUILD)/ibp.o: native/ibp.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -c $< -o $@
 $(BUILD)/store.o: native/ibp_store.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -c $< -o $@
+$(BUILD)/store_backward.o: native/ibp_store_backward.c $(HEADERS) | $(BUILD)
+	$(CC) $(CFLAGS_LIB) -c $< -o $@
 $(BUILD)/isa_generic.o: native/ibp_isa_generic.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -c $< -o $@
 # Only called after a run-time CPU check, so the library still loads on older CPUs.
@@ -57,7 +59,7 @@ $(BUILD)/isa_v3.o: native/ibp_isa_v3.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v3 -c $< -o $@
 $(BUILD)/isa_avx512.o: native/ibp_isa_avx512.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v4 -mavx512vbmi -mavx512vpopcntdq -mavx512bitalg -c $< -o $@
-$(LIB): $(BUILD)/ibp.o $(BUILD)/store.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_avx512.o
+$(LIB): $(BUILD)/ibp.o $(BUILD)/store.o $(BUILD)/store_backward.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_avx512.o
 	$(CC) -shared -fopenmp -pthread $^ -o $@ -lm
 $(BUILD):
 	mkdir -p $@
