@@ -390,17 +390,15 @@ class EmulatedCudaTable(_Placed):
         return torch.device("cpu")
 
     def info(self) -> dict:
-        """CudaTable.info's placement figures, as libibp_cuda would allocate them: the
-        metadata block (codebook, vbits, offsets index, status word; 256-byte aligned
-        parts) on the device, and the payload too with placement "device"."""
-        t = self._table._c
-        up = lambda x: -(-x // 256) * 256  # noqa: E731
-        km = t.cb.n_clusters * t.cb.n_words
-        metadata = (2 * up(km * 8) + up(km) + up(((t.n_rows >> 6) + 1) * 8)
-                    + up((t.n_rows + 1) * t.rel_bytes) + 256)
-        payload = int(self._table._payload.nbytes)
+        """The device bytes libibp_cuda would allocate for this placement (the metadata
+        block, and the payload too with placement "device"); pinned bytes are 0 (the
+        payload would be registered in place)."""
+        lib = load_library()
+        out = ffi.new("uint64_t *")
+        check(lib.ibp_cuda_table_device_bytes(self._table._c, PLACEMENTS[self._placement], out),
+              "device bytes", lib)
         return {"device": self.target.index, "placement": self._placement, "emulated": True,
-                "device_bytes": metadata + (payload if self._placement == "device" else 0), "pinned_bytes": 0}
+                "device_bytes": int(out[0]), "pinned_bytes": 0}
 
     def __repr__(self) -> str:
         return f"EmulatedCudaTable({self._table!r}, device={self.target}, placement={self._placement!r})"

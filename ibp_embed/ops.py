@@ -29,7 +29,6 @@ from .dtypes import LOOKUP_DTYPES
 from .table import CompressedTable
 
 TABLE_TENSORS = ("masks", "bitvals", "block_base", "rel", "payload")
-_MODES = {"sum": 0, "mean": 1}
 # numpy dtype of each table array -> the signed dtype of the same width the tensors use
 _SIGNED = {np.dtype(np.uint64): np.int64, np.dtype(np.uint32): np.int32, np.dtype(np.uint16): np.int16,
            np.dtype(np.uint8): np.uint8}

@@ -183,14 +183,12 @@ class UpdatableTable(TableReads):
 
     def apply_row_gradients(self, optimizer: SparseOptimizer, state: dict, ids: np.ndarray,
                             row_grads: torch.Tensor) -> None:
-        """`optimizer`'s step on rows `ids` (distinct) whose gradients were already reduced
-        (row_grads [len(ids), dim] float32, e.g. on a GPU): each row is then a bag of
-        one, so the step is apply_gradients' own."""
+        """`optimizer`'s step on rows `ids` whose gradients were already reduced (row_grads
+        [len(ids), dim] float32, e.g. on a GPU): each row is a bag of one, so the step is
+        apply_gradients' own (an id given twice gets the sum of its two gradients)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if not ids.size:
             return
-        if len(np.unique(ids)) != ids.size:
-            raise ValueError("apply_row_gradients needs distinct row ids")
         self.apply_gradients(optimizer, state, ids, np.arange(ids.size + 1, dtype=np.int64), ids.size,
                              row_grads, [0])
 

@@ -169,3 +169,24 @@ def test_reads_during_updates_see_whole_rows():
             t.join(timeout=60)
     assert not errors, errors[0]
     assert u.info()["moves"] > 0
+
+
+def test_apply_row_gradients_sums_repeated_ids(base):
+    """Pre-reduced row gradients (the GPU path's backward): one SGD step per row, an id
+    given twice gets the sum of its gradients, as apply_gradients' own reduction."""
+    from ibp_embed.optim import SGD
+
+    opt = SGD(0.5)
+    table = ibp_embed.compress(base, progress=False)
+    w = table.decompress()
+    g = torch.randn(3, w.shape[1])
+    once, twice = UpdatableTable(table), UpdatableTable(table)
+    once.apply_row_gradients(opt, {}, np.array([2, 7]), torch.stack([g[0] + g[1], g[2]]))
+    twice.apply_row_gradients(opt, {}, np.array([2, 2, 7]), g)
+    want = w.clone()
+    want[2] -= 0.5 * (g[0] + g[1])
+    want[7] -= 0.5 * g[2]
+    for t in (once, twice):
+        torch.testing.assert_close(t.decompress().float(), want.float(), rtol=0, atol=1e-6)
+    assert torch.equal(once.decompress(), twice.decompress())
+    once.apply_row_gradients(opt, {}, np.zeros(0, np.int64), torch.zeros(0, w.shape[1]))  # nothing to do

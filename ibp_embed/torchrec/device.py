@@ -46,6 +46,20 @@ def check_device(device) -> torch.device:
     return dev
 
 
+_CACHE_POLICIES = {"LRU": "lru", "LFU": "lfu"}
+
+
+def cache_options(cache_load_factor: Optional[float], cache_algorithm=None) -> dict:
+    """TorchRec's cache settings (cache_load_factor, FBGEMM's CacheAlgorithm LRU / LFU or
+    its name; None: LRU) as DeviceTable's keyword arguments, checked."""
+    name = getattr(cache_algorithm, "name", cache_algorithm)
+    policy = "lru" if name is None else _CACHE_POLICIES.get(str(name).upper())
+    if policy is None:
+        raise ValueError(f"cache_algorithm {cache_algorithm!r} is not supported (LRU or LFU)")
+    check_cache_options(cache_load_factor, policy)
+    return {"cache_load_factor": cache_load_factor, "cache_policy": policy}
+
+
 def check_cache_options(cache_load_factor: Optional[float], cache_policy: str) -> None:
     if cache_load_factor is not None and not 0.0 <= float(cache_load_factor) <= 1.0:
         raise ValueError(f"cache_load_factor must be in [0, 1] (a fraction of each table's rows), "

@@ -16,7 +16,7 @@ from .. import cuda
 from ..ops import table_from_tensors, table_tensors
 from ..optim import SparseOptimizer, state_nbytes
 from ..store import UpdatableTable
-from ..table import CompressedTable
+from ..table import _MODES as POOL_MODES, CompressedTable
 from .device import DeviceTable
 from .lookup import compress_weight
 from .write_back import WriteBackTensor
@@ -25,7 +25,6 @@ from .write_back import WriteBackTensor
 DEFAULT_REPACK_DRIFT = 0.05
 _BUFFER_DTYPES = {"masks": torch.int64, "bitvals": torch.int64, "block_base": torch.int64,
                   "rel": torch.int16, "payload": torch.uint8}
-_MODE_CODES = {"sum": 0, "mean": 1}
 
 
 class IBPEmbeddingBag(nn.Module):
@@ -52,7 +51,7 @@ class IBPEmbeddingBag(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.dtype, self.mode, self.name = dtype, mode, name
-        self.mode_code = _MODE_CODES[mode]
+        self.mode_code = POOL_MODES[mode]
         self._what = f"table {name!r}"
         self._codec_options = codec_options
         for k, dt in _BUFFER_DTYPES.items():
@@ -100,7 +99,8 @@ class IBPEmbeddingBag(nn.Module):
         a trainable one is read by the host and its outputs moved to the device."""
         self.on_cuda = device is not None
         self._target = None if device is None else torch.device(device)
-        self._cache_options = {"cache_load_factor": cache_load_factor, "cache_policy": cache_policy}
+        if device is not None:  # kept while on the host, for the next move to a GPU
+            self._cache_options = {"cache_load_factor": cache_load_factor, "cache_policy": cache_policy}
         self._place_table()
 
     def _place_table(self) -> None:

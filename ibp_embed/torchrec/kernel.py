@@ -32,7 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from .. import cuda
 from ..store import UpdatableTable
 from ..table import CompressedTable
-from .device import DeviceTable, check_cache_options, check_device, device_pooled_lookup
+from .device import DeviceTable, cache_options, check_device, device_pooled_lookup
 from .fused_optimizer import IBPFusedOptimizer, optimizer_from_fused_params
 from .lookup import (
     Slot,
@@ -60,7 +60,8 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
                  dedup: str = "never") -> None:
         super().__init__()
         self._device = None if device is None else torch.device(device)
-        self._cache_options = _cache_options(config.fused_params)
+        fp = config.fused_params or {}
+        self._cache_options = cache_options(fp.get("cache_load_factor"), fp.get("cache_algorithm"))
         if self._device is not None and self._device.type == "cuda":
             self._device = check_device(self._device)
         self._device_tables: List[Optional[DeviceTable]] = [None] * len(config.embedding_tables)
@@ -217,19 +218,3 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         return (", ".join(f"{t.name}[{t.local_rows}x{t.local_cols}]" for t in self._config.embedding_tables)
                 + f", optimizer={self.optimizer!r}")
 
-
-_CACHE_POLICIES = {"LRU": "lru", "LFU": "lfu"}
-
-
-def _cache_options(fused_params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """The HBM cache a plan asks for: cache_load_factor and cache_algorithm (FBGEMM's
-    CacheAlgorithm LRU or LFU), as for fused_uvm_caching tables."""
-    fp = fused_params or {}
-    algo = fp.get("cache_algorithm")
-    name = getattr(algo, "name", algo)
-    policy = _CACHE_POLICIES.get(str(name).upper(), None) if name is not None else "lru"
-    if policy is None:
-        raise ValueError(f"IBP kernel: cache_algorithm {algo!r} is not supported (LRU or LFU)")
-    clf = fp.get("cache_load_factor")
-    check_cache_options(clf, policy)
-    return {"cache_load_factor": clf, "cache_policy": policy}

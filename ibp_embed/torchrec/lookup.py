@@ -139,10 +139,11 @@ def _lookup_one(s: Slot, ids: np.ndarray, bag_off: np.ndarray, w: Optional[np.nd
                 dedup: str) -> torch.Tensor:
     """Pool one feature: deduplicated (ibp_embed.ops.dedup_pool) when `dedup` says so,
     else the native fused decode-and-pool."""
-    out = dedup_pool(s.table.gather, torch.from_numpy(ids), torch.from_numpy(bag_off),
-                     None if w is None else torch.from_numpy(w), s.mode == "mean", DEDUP_MODES[dedup])
-    if out is not None:
-        return out
+    if dedup != "never":
+        out = dedup_pool(s.table.gather, torch.from_numpy(ids), torch.from_numpy(bag_off),
+                         None if w is None else torch.from_numpy(w), s.mode == "mean", DEDUP_MODES[dedup])
+        if out is not None:
+            return out
     return s.table._lookup_checked(ids, bag_off, w, s.mode)  # lookup_jobs validated everything
 
 

@@ -27,6 +27,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from .distributed import IBP_COMPUTE_KERNEL, IBP_SHARDING_TYPES, is_ibp
 from .._native import lib
+from .device import cache_options
 from .lookup import check_codec_options
 
 __all__ = [
@@ -208,7 +209,8 @@ def _cache_params(so: ShardingOption, fused_params: Dict[str, Any]) -> Tuple[flo
         clf = fused_params.get("cache_load_factor")
     algo = so.cache_params.algorithm if so.cache_params and so.cache_params.algorithm is not None else \
         fused_params.get("cache_algorithm")
-    return float(clf or 0.0), str(getattr(algo, "name", algo)).upper() == "LFU"
+    options = cache_options(clf, algo)  # the kernel's own reading of them
+    return float(clf or 0.0), options["cache_policy"] == "lfu"
 
 
 def ibp_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None, *,

@@ -106,6 +106,9 @@ int ibp_cuda_table_create(const ibp_table *table, int device, int placement,
                           ibp_cuda_table **out);
 int ibp_cuda_table_destroy(ibp_cuda_table *t);
 int ibp_cuda_table_info(const ibp_cuda_table *t, ibp_cuda_info *info);
+/* Device bytes ibp_cuda_table_create allocates for `table` with `placement` (the
+ * metadata block, plus the payload for IBP_CUDA_PLACE_DEVICE); needs no GPU. */
+int ibp_cuda_table_device_bytes(const ibp_table *table, int placement, uint64_t *bytes);
 
 /* Decode rows indices[0..n) (int64, device memory) into out (n * row_bytes
  * bytes, device memory), bit-exact. */

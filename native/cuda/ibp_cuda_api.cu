@@ -165,16 +165,38 @@ int place_payload(ibp_cuda_table *t, const uint8_t *p, int placement)
     return IBP_CUDA_OK;
 }
 
+/* Where each part of the metadata block sits (256-byte aligned parts): masks,
+ * bitvals, vbits, block_base, rel, the status word; total is the block's size. */
+struct MetadataLayout {
+    uint64_t km, n_base, n_rel;
+    uint64_t o_masks, o_bitvals, o_vbits, o_base, o_rel, o_status, total;
+};
+
+MetadataLayout metadata_layout(const ibp_table *h)
+{
+    auto up = [](uint64_t x) { return (x + 255) / 256 * 256; };
+    MetadataLayout l;
+    l.km = (uint64_t)h->cb.n_clusters * h->cb.n_words;
+    l.n_base = (h->n_rows >> 6) + 1;
+    l.n_rel = h->n_rows + 1;
+    l.o_masks = 0;
+    l.o_bitvals = up(l.km * 8);
+    l.o_vbits = l.o_bitvals + up(l.km * 8);
+    l.o_base = l.o_vbits + up(l.km);
+    l.o_rel = l.o_base + up(l.n_base * 8);
+    l.o_status = l.o_rel + up(l.n_rel * h->rel_bytes);
+    l.total = l.o_status + 256;
+    return l;
+}
+
 /* Copy the codebook and offsets index to one device block, vbits derived from the masks. */
 int upload_metadata(ibp_cuda_table *t, const ibp_table *h)
 {
     const ibp_codebook &cb = h->cb;
-    const uint64_t km = (uint64_t)cb.n_clusters * cb.n_words;
-    const uint64_t n_base = (h->n_rows >> 6) + 1, n_rel = h->n_rows + 1;
-    auto up = [](uint64_t x) { return (x + 255) / 256 * 256; };
-    const uint64_t o_masks = 0, o_bitvals = up(km * 8), o_vbits = o_bitvals + up(km * 8);
-    const uint64_t o_base = o_vbits + up(km), o_rel = o_base + up(n_base * 8);
-    const uint64_t o_status = o_rel + up(n_rel * h->rel_bytes), total = o_status + 256;
+    const MetadataLayout l = metadata_layout(h);
+    const uint64_t km = l.km, n_base = l.n_base, n_rel = l.n_rel;
+    const uint64_t o_masks = l.o_masks, o_bitvals = l.o_bitvals, o_vbits = l.o_vbits;
+    const uint64_t o_base = l.o_base, o_rel = l.o_rel, o_status = l.o_status, total = l.total;
     IBPC_TRY(cudaMalloc(&t->metadata, total));
     t->device_bytes += total;
     uint8_t *d = (uint8_t *)t->metadata;
@@ -320,6 +342,17 @@ int grid_blocks(const ibp_cuda_table *t, const void *kernel, uint32_t threads, u
 using namespace ibpcuda;
 
 extern "C" {
+
+int ibp_cuda_table_device_bytes(const ibp_table *table, int placement, uint64_t *bytes)
+{
+    if (!table || !bytes || (placement != IBP_CUDA_PLACE_HOST && placement != IBP_CUDA_PLACE_DEVICE))
+        return fail(IBP_CUDA_E_ARG, "ibp_cuda_table_device_bytes: bad arguments");
+    *bytes = metadata_layout(table).total;
+    if (placement == IBP_CUDA_PLACE_DEVICE)
+        *bytes += table->payload_bytes + ibp_tail_pad_bytes(table->cb.row_bytes, table->cb.word_bits);
+    return IBP_CUDA_OK;
+}
+
 
 int ibp_cuda_abi_version(void) { return IBP_CUDA_ABI_VERSION; }
 int ibp_cuda_format_version(void) { return IBP_FORMAT_VERSION; }
