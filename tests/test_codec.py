@@ -658,16 +658,25 @@ def test_masks_are_read_only(table):
     assert "CompressedTable" in repr(table)
 
 
-def test_lookup_row_cache_collisions_and_repeats():
-    """Lookups keep a per-thread cache of decoded rows: ids that evict each other
-    (many more distinct rows than slots) and hot repeats must pool exactly."""
+@pytest.mark.parametrize("n_rows,dim", [(20000, 8), (20000, 128), (3000, 100), (300, 40)])
+def test_lookup_row_cache_collisions_and_repeats(n_rows, dim):
+    """Lookups keep a per-thread cache of decoded rows (a slot per row for small
+    tables, hashed slots otherwise) and resolve ids in windows before pooling them in
+    groups: ids that evict each other (many more distinct rows than slots), hot
+    repeats, bags longer than a window, empty bags and row widths with a scalar tail
+    must all pool exactly."""
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(20000, 8, generator=g) * 0.01
+    w = torch.randn(n_rows, dim, generator=g) * 0.01
     t = ibp_embed.compress(w)
-    hot = torch.randint(0, 20000, (64,), generator=g)
-    idx = torch.where(torch.rand(60000, generator=g) < 0.5, hot[torch.randint(0, 64, (60000,), generator=g)],
-                      torch.randint(0, 20000, (60000,), generator=g))
-    off = torch.arange(0, 60001, 30)
+    n = 60000
+    hot = torch.randint(0, n_rows, (64,), generator=g)
+    idx = torch.where(torch.rand(n, generator=g) < 0.5, hot[torch.randint(0, 64, (n,), generator=g)],
+                      torch.randint(0, n_rows, (n,), generator=g))
+    lengths = torch.randint(0, 60, (2000,), generator=g)
+    lengths[::97] = 0
+    lengths[5] = 700  # longer than a window of ids
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
+    off[-1] = n
     want = torch.nn.functional.embedding_bag(idx, w, off[:-1], mode="sum")
     assert torch.equal(t.lookup(idx, off), want)
 
