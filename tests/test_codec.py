@@ -681,6 +681,45 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim):
     assert torch.equal(t.lookup(idx, off), want)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lookup_deduplicated_path_pools_exactly(threads):
+    """Wide rows leave the per-thread cache few slots (512 of 8 KB rows), so a
+    skewed batch with several times more distinct rows than slots takes the exact
+    deduplication path (each thread's distinct rows decoded once into a scratch);
+    its sums must be the cached path's, bit for bit, with weights, MEAN, empty bags
+    and a bad id reported."""
+    from ibp_embed._native import lib
+    from ibp_embed.datasets import zipf_ids
+
+    g = torch.Generator().manual_seed(21)
+    w = (torch.randn(6000, 2048, generator=g) * 0.05).to(torch.bfloat16).float()
+    t = ibp_embed.compress(w)
+    n = 40000
+    idx = zipf_ids(n, 6000, 1.05, seed=3)
+    lengths = torch.randint(0, 40, (2000,), generator=g)
+    lengths[::53] = 0
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
+    off[-1] = n
+    psw = torch.rand(n, generator=g)
+    before = lib.ibp_get_num_threads()
+    lib.ibp_set_num_threads(threads)
+    try:
+        assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w, off[:-1], mode="sum"))
+        # weighted sums are fused multiply-adds: compare with a bag at a time (the
+        # cached path: a few ids never overflow the cache)
+        got = t.lookup(idx, off, psw, mode="mean")
+        for b in range(0, 2000, 97):
+            lo, hi = int(off[b]), int(off[b + 1])
+            one = t.lookup(idx[lo:hi], torch.tensor([0, hi - lo]), psw[lo:hi], mode="mean")
+            assert torch.equal(got[b], one[0])
+        bad = idx.clone()
+        bad[n // 2] = 6000
+        with pytest.raises(IndexError):
+            t.lookup(bad, off)
+    finally:
+        lib.ibp_set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_lookup_is_identical_on_every_kernel_set(dtype, mode):
