@@ -48,8 +48,8 @@ batches (default 2, quick 1); the median pass is reported):
   bf16 too; ibp systems carry ibp_vs_torch_raw_throughput_ratio against it).
 - "ibp lookup W{64,32} K{1,4}": CompressedTable.lookup per feature (ids and bag offsets
   sliced ahead of time), outputs concatenated like the TBE's; paired with "fbgemm TBE".
-- "ibp EBC W64 K{1,4}" and "ibp EBC W64 K1 dedup=auto": IBPEmbeddingBagCollection forward
-  on the KeyedJaggedTensor (dedup="never" is its default); paired with "torchrec FusedEBC".
+- "ibp EBC W64 K{1,4}": IBPEmbeddingBagCollection forward on the KeyedJaggedTensor;
+  paired with "torchrec FusedEBC".
   A K4 variant that kept one cluster in every table is the K1 table: not timed twice.
 - GPU placements (DEVICE, MANAGED = UVM, MANAGED_CACHING) are in benchmarks/gpu_lookup.py.
 - Size only: zstd level 3 and lz4 on each row (--codec-sample rows sampled per table, an
@@ -111,11 +111,11 @@ def lookup_name(w, k):
     return f"ibp lookup W{w} K{k}"
 
 
-def ebc_name(w, k, dedup="never"):
-    return f"ibp EBC W{w} K{k}" + ("" if dedup == "never" else f" dedup={dedup}")
+def ebc_name(w, k):
+    return f"ibp EBC W{w} K{k}"
 
 
-EBC_VARIANTS = ((64, 1, "never"), (64, 4, "never"), (64, 1, "auto"))
+EBC_VARIANTS = ((64, 1), (64, 4))
 
 
 def pair_of(system: str) -> str | None:
@@ -342,7 +342,7 @@ def torchrec_fused_ebc(tbe, dims):
     return ebc
 
 
-def ibp_ebc(tables, dims, dtype, dedup):
+def ibp_ebc(tables, dims, dtype):
     from torchrec import EmbeddingBagConfig
     from torchrec.modules.embedding_configs import DataType
 
@@ -352,7 +352,7 @@ def ibp_ebc(tables, dims, dtype, dedup):
     configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=d, num_embeddings=tab.shape[0],
                                   feature_names=[f"f{t}"], data_type=dt)
                for t, (d, tab) in enumerate(zip(dims, tables))]
-    return IBPEmbeddingBagCollection(configs, dedup=dedup, _tables={f"t{t}": tab for t, tab in enumerate(tables)})
+    return IBPEmbeddingBagCollection(configs, _tables={f"t{t}": tab for t, tab in enumerate(tables)})
 
 
 # ================================================================ size-only codecs
@@ -548,20 +548,19 @@ def run_table_set(ts: TableSet, workloads, args, log) -> dict:
         v = variants[f"W{wb} K{k}"]
         if v["same_as"] is None:
             systems[lookup_name(wb, k)] = lookup_fn(v["tables"])
-    for wb, k, dedup in EBC_VARIANTS:
+    for wb, k in EBC_VARIANTS:
         v = variants[f"W{wb} K{k}"]
         if v["same_as"] is None:
-            m = ibp_ebc(v["tables"], ts.dims, ts.dtype, dedup)
-            systems[ebc_name(wb, k, dedup)] = (lambda m: lambda b: m(b.kjt).values())(m)
+            m = ibp_ebc(v["tables"], ts.dims, ts.dtype)
+            systems[ebc_name(wb, k)] = (lambda m: lambda b: m(b.kjt).values())(m)
     aliases = {}  # system not timed -> the system it equals
     for wb, k in IBP_VARIANTS:
         same = variants[f"W{wb} K{k}"]["same_as"]
         if same is not None:
             sw_, sk = (int(x[1:]) for x in same.split())
             aliases[lookup_name(wb, k)] = lookup_name(sw_, sk)
-            for ew, ek, dedup in EBC_VARIANTS:
-                if (ew, ek) == (wb, k):
-                    aliases[ebc_name(wb, k, dedup)] = ebc_name(sw_, sk, dedup)
+            if (wb, k) in EBC_VARIANTS:
+                aliases[ebc_name(wb, k)] = ebc_name(sw_, sk)
     res["systems_aliased"] = aliases
 
     res["workloads"] = []
@@ -719,7 +718,7 @@ def report(results, params) -> str:
              "CPU bf16 kernel.")
     L.append("")
     sys_cols = [FBGEMM, TORCHREC, TORCH_RAW, "ibp lookup W64 K1", "ibp lookup W32 K1", "ibp lookup W64 K4",
-                "ibp EBC W64 K1", "ibp EBC W64 K1 dedup=auto"]
+                "ibp EBC W64 K1"]
     heads = ["table set", "workload"] + sys_cols + ["pooled out GB/s (fbgemm / ibp W64 K1)"]
     rows = []
     for r in results:
@@ -753,8 +752,7 @@ def report(results, params) -> str:
                  "once at its stored length plus its offsets-index entries. M lookups/s and ratio vs the pair.")
         L.append("")
         heads = ["workload", "distinct ids", "UVM MiB/batch", "ibp MiB/batch (W64 K1)", "UVM / ibp",
-                 FBGEMM, "ibp lookup W64 K1", TORCHREC, "ibp EBC W64 K1", "ibp EBC dedup=auto",
-                 "out GB/s fbgemm / ibp"]
+                 FBGEMM, "ibp lookup W64 K1", TORCHREC, "ibp EBC W64 K1", "out GB/s fbgemm / ibp"]
         rows = []
         for w in r["workloads"]:
             s, mo = w["systems"], w["host_bytes_per_batch_model"]
@@ -766,7 +764,6 @@ def report(results, params) -> str:
             rows.append([w["workload"], f"{100 * mo['distinct_fraction']:.0f}%", f"{mo['fbgemm UVM'] / 2**20:.1f}",
                          f"{mo['ibp W64 K1'] / 2**20:.1f}", f"{mo['fbgemm UVM'] / mo['ibp W64 K1']:.2f}",
                          _mlps(fb), rc("ibp lookup W64 K1"), _mlps(s.get(TORCHREC)), rc("ibp EBC W64 K1"),
-                         rc("ibp EBC W64 K1 dedup=auto"),
                          (f"{fb['pooled_output_gbps']:.2f} / " if fb else "- / ")
                          + f"{s['ibp lookup W64 K1']['pooled_output_gbps']:.2f}"])
         L += [common.markdown_table(heads, rows), ""]
@@ -923,7 +920,7 @@ def plot(results, path: Path) -> Path | None:
     ax = axes[0][1]
     swept = next((r for r in results if len(r["workloads"]) > 2), results[0])
     names = [w["workload"] for w in swept["workloads"]]
-    sys_names = [s for s in (FBGEMM, TORCHREC, "ibp lookup W64 K1", "ibp EBC W64 K1", "ibp EBC W64 K1 dedup=auto")
+    sys_names = [s for s in (FBGEMM, TORCHREC, "ibp lookup W64 K1", "ibp EBC W64 K1")
                  if s in swept["workloads"][0]["systems"]]
     x = np.arange(len(names))
     wdt = 0.8 / max(len(sys_names), 1)

@@ -115,29 +115,6 @@ def _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int,
         raise ValueError(f"{what}: the table tensors do not fit the description {meta}")
 
 
-DEDUP_MIN_IDS = 256        # dedup "auto": fewer ids than this take the fused native lookup
-DEDUP_MAX_UNIQUE = 0.5     # dedup "auto": deduplicate when at most this fraction of the ids is distinct
-
-
-def dedup_pool(gather, ids: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor], mean: bool,
-               dedup: int) -> Optional[torch.Tensor]:
-    """Pooled lookup that decodes each distinct id once (gather(sorted distinct ids) -> rows)
-    and pools the decoded rows with torch's embedding_bag, ids in their original order
-    (the native lookup's summation order). dedup: 0 never, 1 always, 2 auto (when at
-    most half the ids are distinct). None when it does not apply: run the fused lookup."""
-    if dedup == 0 or ids.numel() < (1 if dedup == 1 else DEDUP_MIN_IDS):
-        return None
-    uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-    if dedup == 2 and uniq.numel() > DEDUP_MAX_UNIQUE * ids.numel():
-        return None
-    rows = gather(uniq).float()
-    out = torch.nn.functional.embedding_bag(inv, rows, offsets, mode="sum", include_last_offset=True,
-                                            per_sample_weights=weights)
-    if mean:  # as the native kernel: the sum times 1/length
-        out *= (1.0 / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32))[:, None]
-    return out
-
-
 def _check_on_cpu(what: str, *tensors: Optional[torch.Tensor]) -> None:
     """The operators decode host tables on the CPU: device ids would reach libibp as
     device pointers."""
@@ -157,10 +134,10 @@ def _bad_id(idx: torch.Tensor, n_rows: int) -> int:
 def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.Tensor, rel: torch.Tensor,
                   payload: torch.Tensor, meta: List[int], dtype: torch.dtype, indices: torch.Tensor,
                   offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], mode: int,
-                  what: str, dedup: int = 0) -> torch.Tensor:
+                  what: str) -> torch.Tensor:
     """[B, dim] float32: bag b pools rows indices[offsets[b]:offsets[b + 1]] (scaled by
     per_sample_weights when given); mode 0 = SUM, 1 = MEAN (an empty bag gives zeros).
-    dedup: see dedup_pool."""
+    libibp deduplicates the ids itself where that pays."""
     n, d = meta[0], meta[1]
     if dtype not in LOOKUP_DTYPES:
         raise TypeError(f"{what}: pooled lookups need a float32, float16 or bfloat16 table, not {dtype}")
@@ -184,11 +161,6 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
     out = torch.empty((n_bags, d), dtype=torch.float32)
     if n_bags == 0:
         return out
-    if dedup:
-        out_d = dedup_pool(lambda u: gather(masks, bitvals, block_base, rel, payload, meta, dtype, u, what),
-                           idx, off, w, mode == 1, dedup)
-        if out_d is not None:
-            return out_d
     c, _ = _c_table(masks, bitvals, block_base, rel, payload, meta, row_bytes)
     rc = lib.ibp_lookup(c, LOOKUP_DTYPES[dtype], d, ffi.cast("const int64_t *", idx.data_ptr()) if idx.numel()
                         else ffi.NULL, ffi.cast("const int64_t *", off.data_ptr()), n_bags,
@@ -205,7 +177,7 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
 
 @pooled_lookup.register_fake
 def _pooled_lookup_fake(masks, bitvals, block_base, rel, payload, meta, dtype, indices, offsets,
-                        per_sample_weights, mode, what, dedup=0):
+                        per_sample_weights, mode, what):
     return offsets.new_empty((offsets.shape[0] - 1, meta[1]), dtype=torch.float32)
 
 

@@ -64,7 +64,7 @@ def test_operators_match_the_table_and_pass_opcheck():
         out = torch.ops.ibp.pooled_lookup(*args, ids, off, w, mode, "t")
         assert torch.equal(out, t.lookup(ids, off, w, mode=name))
     assert torch.equal(torch.ops.ibp.gather(*args, ids.view(7, 1), "t"), t.gather(ids.view(7, 1)))
-    torch.library.opcheck(torch.ops.ibp.pooled_lookup.default, (*args, ids, off, w, 0, "t", 0))
+    torch.library.opcheck(torch.ops.ibp.pooled_lookup.default, (*args, ids, off, w, 0, "t"))
     torch.library.opcheck(torch.ops.ibp.gather.default, (*args, ids.view(7, 1), "t"))
     with pytest.raises(IndexError, match="t: id 500 out of range for a table of 500 rows"):
         torch.ops.ibp.pooled_lookup(*args, torch.tensor([500]), torch.tensor([0, 1]), None, 0, "t")

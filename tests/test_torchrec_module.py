@@ -91,16 +91,14 @@ def assert_same_layout(kt, ref):
     assert kt.values().dtype == torch.float32
 
 
-DEDUP = ("never", "always", "auto")
 
 
-@pytest.mark.parametrize("dedup", DEDUP)
 @pytest.mark.parametrize("seed", range(3))
-def test_forward_matches_ebc_unweighted(seed, dedup):
+def test_forward_matches_ebc_unweighted(seed):
     torch.manual_seed(seed)
     tables = make_tables()
     ebc = EmbeddingBagCollection(tables)
-    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup=dedup)
+    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)
     rng = np.random.default_rng(seed)
     for batch in (1, 7, 33, 400):
         kjt = random_kjt(tables, batch, rng)
@@ -117,12 +115,11 @@ def test_forward_matches_ebc_unweighted(seed, dedup):
                 torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("dedup", DEDUP)
-def test_forward_all_sum_is_bit_exact_and_key_order_free(dedup):
+def test_forward_all_sum_is_bit_exact_and_key_order_free():
     torch.manual_seed(0)
     tables = make_tables(pooling_mix=False)
     ebc = EmbeddingBagCollection(tables)
-    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup=dedup)
+    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)
     rng = np.random.default_rng(1)
     keys = list(feature_rows(tables))[::-1]  # input keys in another order than the tables read them
     kjt = random_kjt(tables, 20, rng, keys=keys)
@@ -131,13 +128,12 @@ def test_forward_all_sum_is_bit_exact_and_key_order_free(dedup):
     assert torch.equal(out.values(), ref.values())
 
 
-@pytest.mark.parametrize("dedup", DEDUP)
 @pytest.mark.parametrize("seed", range(2))
-def test_forward_weighted_sum_matches_ebc(seed, dedup):
+def test_forward_weighted_sum_matches_ebc(seed):
     torch.manual_seed(seed)
     tables = make_tables(pooling_mix=False)  # nn.EmbeddingBag takes per-sample weights with SUM only
     ebc = EmbeddingBagCollection(tables, is_weighted=True)
-    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup=dedup)
+    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)
     assert ibp.is_weighted()
     kjt = random_kjt(tables, 16, np.random.default_rng(seed), weighted=True)
     ref, out = ebc(kjt), ibp(kjt)
@@ -145,26 +141,24 @@ def test_forward_weighted_sum_matches_ebc(seed, dedup):
     torch.testing.assert_close(out.values(), ref.values(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dedup", DEDUP)
-def test_forward_weighted_mean_matches_reference(dedup):
+def test_forward_weighted_mean_matches_reference():
     torch.manual_seed(3)
     tables = make_tables(pooling_mix=True)
     ebc = EmbeddingBagCollection(tables, is_weighted=True)  # holds the weights; cannot run weighted MEAN
-    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup=dedup)
+    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)
     kjt = random_kjt(tables, 16, np.random.default_rng(3), weighted=True)
     out = ibp(kjt).values()
     ref = reference(tables, ebc, kjt, weighted=True)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dedup", DEDUP)
-def test_fp16_tables(dedup):
+def test_fp16_tables():
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name="h", embedding_dim=8, num_embeddings=100, feature_names=["a"],
                                  data_type=DataType.FP16)]
     ebc = EmbeddingBagCollection(tables)
     assert ebc.embedding_bags["h"].weight.dtype == torch.float16
-    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup=dedup)
+    ibp = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)
     assert ibp.tables()["h"].dtype == torch.float16
     kjt = random_kjt(tables, 100, np.random.default_rng(0))
     ref = reference(tables, ebc, kjt, weighted=False)
@@ -198,11 +192,10 @@ def test_int32_ids():
     assert torch.equal(ibp(kjt32).values(), ibp(kjt).values())
 
 
-@pytest.mark.parametrize("dedup", DEDUP)
-def test_forward_never_decompresses_whole_table(monkeypatch, dedup):
+def test_forward_never_decompresses_whole_table(monkeypatch):
     torch.manual_seed(0)
     tables = make_tables()
-    ibp = IBPEmbeddingBagCollection(tables, dedup=dedup)
+    ibp = IBPEmbeddingBagCollection(tables)
 
     def boom(self):
         raise AssertionError("forward decompressed a whole table")
@@ -229,25 +222,22 @@ def test_init_from_configs_follows_torchrec_init():
     assert m.embedding_bag_configs() is custom
 
 
-def test_dedup_auto_takes_both_paths(monkeypatch):
-    """auto deduplicates skewed batches and runs the fused native lookup on spread-out ones."""
-    torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100000, feature_names=["a"])]
-    assert IBPEmbeddingBagCollection(tables, device="meta").dedup == "never"  # the default
-    ibp = IBPEmbeddingBagCollection(tables, dedup="auto")
-    calls = []
-    from ibp_embed import ops
+def test_dedup_is_deprecated_and_ignored():
+    """dedup (of earlier versions) warns and changes nothing: libibp deduplicates a
+    batch's ids by itself."""
+    from ibp_embed.torchrec import IBPEmbeddingBagCollectionSharder
 
-    real_gather = ops.gather  # the deduplicated path decodes the distinct rows with it
-    monkeypatch.setattr(ops, "gather", lambda *a: calls.append("gather") or real_gather(*a))
-    hot = torch.randint(0, 10, (1000,))
-    spread = torch.randperm(100000)[:1000]
-    for ids, path in ((hot, ["gather"]), (spread, [])):
-        calls.clear()
-        ibp(KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=ids, lengths=torch.full((100,), 10)))
-        assert calls == path
-    with pytest.raises(ValueError, match="dedup"):
-        IBPEmbeddingBagCollection(tables, dedup="sometimes")
+    torch.manual_seed(0)
+    tables = make_tables()
+    ebc = EmbeddingBagCollection(tables)
+    kjt = random_kjt(tables, 16, np.random.default_rng(7))
+    plain = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)(kjt).values()
+    for dedup in ("always", "never"):
+        with pytest.warns(FutureWarning, match="dedup is deprecated"):
+            m = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup=dedup)
+        assert torch.equal(m(kjt).values(), plain)
+    with pytest.warns(FutureWarning, match="dedup is deprecated"):
+        IBPEmbeddingBagCollectionSharder(dedup="auto")
 
 
 def test_codec_options_are_used():
@@ -428,18 +418,6 @@ def test_config_errors():
                                                           feature_names=["a"])], device=torch.device("meta"))
     with pytest.raises(ValueError, match="meta"):
         IBPEmbeddingBagCollection.from_embedding_bag_collection(meta_ebc)
-
-
-@pytest.mark.parametrize("weighted", [False, True])
-def test_dedup_paths_give_identical_results(weighted):
-    """Deduplicated pooling must equal the native fused path bit for bit, MEAN included
-    (both scale the sum by 1/length), so dedup="auto" never changes an output."""
-    tables = make_tables(pooling_mix=True)
-    ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
-    kjt = random_kjt(tables, 16, np.random.default_rng(7), weighted=weighted)
-    never = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup="never")(kjt).values()
-    always = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, dedup="always")(kjt).values()
-    assert torch.equal(never, always)
 
 
 def test_manifest_entries_cannot_name_files_outside_the_directory(tmp_path):

@@ -57,7 +57,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 from ..store import memory_stats
 from .kernel import IBPBatchedEmbeddingBag
 from .fused_optimizer import host_metadata, on_host
-from .lookup import check_codec_options, check_dedup
+from .lookup import check_codec_options, warn_if_dedup
 from .write_back import WriteBackTensor
 
 __all__ = [
@@ -155,8 +155,7 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding, env,
                  fused_params=None, device=None, qcomm_codecs_registry=None, module_fqn=None,
-                 sharded_module_order_overwrite=None, codec_options: Optional[Dict[str, Any]] = None,
-                 dedup: str = "never"):
+                 sharded_module_order_overwrite=None, codec_options: Optional[Dict[str, Any]] = None):
         for name, ps in table_name_to_parameter_sharding.items():
             if is_ibp(ps.compute_kernel) and ps.sharding_type not in IBP_SHARDING_TYPES:
                 raise NotImplementedError(
@@ -170,7 +169,6 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # table name -> [(kernel, index in kernel, ShardMetadata, dtype)]
         self._ibp_shards: Dict[str, List[Tuple[IBPBatchedEmbeddingBag, int, Any, torch.dtype]]] = {}
         for kernel in self.ibp_kernels():
-            kernel.dedup = check_dedup(dedup)
             kernel.set_codec_options(codec_options)
             for i, (name, md, dtype) in enumerate(kernel.shard_info()):
                 self._ibp_shards.setdefault(name, []).append((kernel, i, md, dtype))
@@ -335,19 +333,18 @@ class IBPEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     (word_bits, clusters, threshold, sample_rows, seed) are passed to ibp_embed.compress.
 
     fused_params are TorchRec's: the sparse optimizer of the sharded tables (IBP ones
-    included; see ibp_embed.torchrec.kernel.optimizer_from_fused_params). dedup
-    ("auto", "always", "never") is the IBP kernels' lookup mode, as in
-    IBPEmbeddingBagCollection. The kernel is offered on CPU and CUDA for table-wise,
+    included; see ibp_embed.torchrec.kernel.optimizer_from_fused_params). dedup is
+    deprecated and ignored, as in IBPEmbeddingBagCollection. The kernel is offered on CPU and CUDA for table-wise,
     column-wise, table-column-wise, row-wise and table-row-wise sharding; TorchRec's
     own kernels keep TorchRec's offer (row-wise on CUDA only).
     """
 
     def __init__(self, fused_params: Optional[Dict[str, Any]] = None, qcomm_codecs_registry=None,
-                 sharded_module_order_overwrite=None, dedup: str = "never", **codec_options: Any) -> None:
+                 sharded_module_order_overwrite=None, dedup: Optional[str] = None, **codec_options: Any) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry,
                          sharded_module_order_overwrite=sharded_module_order_overwrite)
         self._codec_options = check_codec_options(codec_options)
-        self._dedup = check_dedup(dedup)
+        warn_if_dedup(dedup)
 
     @property
     def codec_options(self) -> Dict[str, Any]:
@@ -374,7 +371,7 @@ class IBPEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
             device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
-            codec_options=self._codec_options, dedup=self._dedup)
+            codec_options=self._codec_options)
 
     @property
     def sharded_module_type(self):

@@ -57,7 +57,6 @@ class IBPEmbeddingBag(nn.Module):
         for k, dt in _BUFFER_DTYPES.items():
             self.register_buffer(k, torch.empty(0, dtype=dt, device=device), persistent=False)
         self.meta: List[int] = [self.num_embeddings, self.embedding_dim, 64, 0]
-        self.dedup = 0  # DEDUP_MODES value, set by the collection
         self._table: Optional[Union[CompressedTable, UpdatableTable]] = None
         self.optimizer: Optional[SparseOptimizer] = None
         self.optimizer_state: Dict[str, torch.Tensor] = {}
@@ -168,7 +167,7 @@ class IBPEmbeddingBag(nn.Module):
             raise RuntimeError(what + " holds no packed table")
         return torch.ops.ibp.pooled_lookup(self.masks, self.bitvals, self.block_base, self.rel, self.payload,
                                            self.meta, self.dtype, input, offsets, per_sample_weights,
-                                           self.mode_code, what, self.dedup)
+                                           self.mode_code, what)
 
     @torch.jit.unused
     def _device_lookup(self, input: torch.Tensor, offsets: torch.Tensor,

@@ -37,7 +37,6 @@ from .fused_optimizer import IBPFusedOptimizer, optimizer_from_fused_params
 from .lookup import (
     Slot,
     apply_updates,
-    check_dedup,
     compress_weight,
     lookup_jobs,
     run_lookup_jobs,
@@ -56,8 +55,8 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
     """
 
     def __init__(self, config: GroupedEmbeddingConfig, pg: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None, sharding_type: Optional[ShardingType] = None,
-                 dedup: str = "never") -> None:
+                 device: Optional[torch.device] = None, sharding_type: Optional[ShardingType] = None
+                 ) -> None:
         super().__init__()
         self._device = None if device is None else torch.device(device)
         fp = config.fused_params or {}
@@ -65,7 +64,6 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         if self._device is not None and self._device.type == "cuda":
             self._device = check_device(self._device)
         self._device_tables: List[Optional[DeviceTable]] = [None] * len(config.embedding_tables)
-        self.dedup = check_dedup(dedup)
         self._config = config
         self._pg = pg
         # TorchRec's rule: row-wise shards pool MEAN tables as SUM (the sharded module divides).
@@ -181,8 +179,8 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
                                dtype=torch.float32, device="meta")
         out = cuda.storage_device(self._device) if self.on_cuda else torch.device("cpu")
         if training:
-            return training_lookup(self, jobs, b, self.dedup, out)
-        return run_lookup_jobs(jobs, b, self.dedup).to(out)
+            return training_lookup(self, jobs, b, out)
+        return run_lookup_jobs(jobs, b).to(out)
 
     def _device_forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         placed = self.device_tables()

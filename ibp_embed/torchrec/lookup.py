@@ -4,6 +4,7 @@ function that applies the sparse optimizer in backward.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
@@ -12,7 +13,6 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
-from ..ops import dedup_pool
 from ..table import CompressedTable
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
@@ -126,29 +126,16 @@ def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
     return vals, off_np, w, b
 
 
-DEDUP_MODES = {"never": 0, "always": 1, "auto": 2}
-
-
-def check_dedup(dedup: str) -> str:
-    if dedup not in DEDUP_MODES:
-        raise ValueError(f"dedup must be one of {tuple(DEDUP_MODES)}, not {dedup!r}")
-    return dedup
-
-
-def _lookup_one(s: Slot, ids: np.ndarray, bag_off: np.ndarray, w: Optional[np.ndarray],
-                dedup: str) -> torch.Tensor:
-    """Pool one feature: deduplicated (ibp_embed.ops.dedup_pool) when `dedup` says so,
-    else the native fused decode-and-pool."""
-    if dedup != "never":
-        out = dedup_pool(s.table.gather, torch.from_numpy(ids), torch.from_numpy(bag_off),
-                         None if w is None else torch.from_numpy(w), s.mode == "mean", DEDUP_MODES[dedup])
-        if out is not None:
-            return out
-    return s.table._lookup_checked(ids, bag_off, w, s.mode)  # lookup_jobs validated everything
+def warn_if_dedup(dedup: Optional[str]) -> None:
+    """The `dedup` argument of earlier versions: libibp's lookup now deduplicates a
+    batch's ids by itself, choosing how from the batch."""
+    if dedup is not None:
+        warnings.warn("dedup is deprecated and has no effect: the native lookup deduplicates a batch's ids "
+                      "by itself", FutureWarning, stacklevel=3)
 
 
 def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool, who: str,
-                  key_index: Optional[Sequence[int]] = None, dedup: str = "never") -> torch.Tensor:
+                  key_index: Optional[Sequence[int]] = None) -> torch.Tensor:
     """[B, sum(slot dims)] float32: slot i pools key key_index[i] of kjt (default: key i).
 
     Every check (keys, offsets, weights, id ranges) runs before any native call.
@@ -156,7 +143,7 @@ def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool,
     jobs, b = lookup_jobs(kjt, slots, weighted, who, key_index)
     if jobs is None:
         return torch.empty((kjt.stride(), sum(s.dim for s in slots)), dtype=torch.float32, device="meta")
-    return run_lookup_jobs(jobs, b, dedup)
+    return run_lookup_jobs(jobs, b)
 
 
 def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool, who: str,
@@ -187,8 +174,9 @@ def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool, w
     return jobs, b
 
 
-def run_lookup_jobs(jobs, b: int, dedup: str) -> torch.Tensor:
-    outs = [_lookup_one(s, ids, bag_off, ws, dedup) for s, ids, bag_off, ws in jobs]
+def run_lookup_jobs(jobs, b: int) -> torch.Tensor:
+    # lookup_jobs validated everything
+    outs = [s.table._lookup_checked(ids, bag_off, ws, s.mode) for s, ids, bag_off, ws in jobs]
     if not outs:
         return torch.empty((b, 0), dtype=torch.float32)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -219,7 +207,7 @@ def compress_weight(weight: torch.Tensor, dtype: torch.dtype, codec_options: Dic
 class SparseUpdateLookup(torch.autograd.Function):
     """Pooled lookups whose backward applies the sparse optimizer to the touched rows.
 
-    forward(anchor, owner, jobs, B, dedup, device) -> [B, sum of dims] on `device` (the
+    forward(anchor, owner, jobs, B, device) -> [B, sum of dims] on `device` (the
     lookups run on the host); `anchor` is an empty leaf that requires grad (it only makes
     autograd call backward). backward hands the output gradient (on `device`) to
     owner.apply_sparse_update(jobs, B, grad), which updates the tables in place, as
@@ -227,9 +215,9 @@ class SparseUpdateLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, owner, jobs, b, dedup, device):
+    def forward(ctx, anchor, owner, jobs, b, device):
         ctx.owner, ctx.jobs, ctx.b = owner, jobs, b
-        return run_lookup_jobs(jobs, b, dedup).to(device)
+        return run_lookup_jobs(jobs, b).to(device)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -238,15 +226,14 @@ class SparseUpdateLookup(torch.autograd.Function):
                                "sparse update was already applied (retain_graph is not supported)")
         ctx.owner.apply_sparse_update(ctx.jobs, ctx.b, grad_out)
         ctx.jobs = None
-        return None, None, None, None, None, None
+        return None, None, None, None, None
 
 
-def training_lookup(owner, jobs, b: int, dedup: str, device: torch.device = torch.device("cpu")
-                    ) -> torch.Tensor:
+def training_lookup(owner, jobs, b: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """run_lookup_jobs whose result, moved to `device`, takes part in autograd (see
     SparseUpdateLookup)."""
     anchor = torch.empty(0, requires_grad=True)
-    return SparseUpdateLookup.apply(anchor, owner, jobs, b, dedup, device)
+    return SparseUpdateLookup.apply(anchor, owner, jobs, b, device)
 
 
 def apply_updates(jobs, b: int, grad_out: torch.Tensor, optimizer, table_key, target,

@@ -47,8 +47,6 @@ from .lookup import (
     Slot,
     apply_updates,
     check_codec_options,
-    DEDUP_MODES,
-    check_dedup,
     compress_weight,
     lookup_jobs,
     pooled_lookup,
@@ -56,6 +54,7 @@ from .lookup import (
     resolve_device,
     table_dtype,
     training_lookup,
+    warn_if_dedup,
 )
 from .embedding_bag import DEFAULT_REPACK_DRIFT, IBPEmbeddingBag
 
@@ -96,13 +95,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             (ibp_embed.cache.RowCache). Inference only: trainable tables are not cached.
         strict_features: raise FeatureKeyError for input keys no table reads (and for
             repeated keys); by default they are ignored, as TorchRec's EBC ignores them.
-        dedup: "never" (default: the native fused decode-and-pool on every id),
-            "always" or "auto". Deduplicated lookups decode each distinct id of a
-            feature's batch once (CompressedTable.gather), then pool the decoded rows
-            with torch's embedding_bag (same result, same summation order); "auto" does
-            so when at most half the ids of a feature's batch are distinct. On the
-            development machine it did not pay off (benchmarks/lookup.py); try it on
-            very skewed traffic.
+        dedup: deprecated and ignored (FutureWarning): libibp's lookup deduplicates a
+            batch's ids by itself, choosing how from the batch.
         optimizer: None (default: inference, immutable CompressedTables) or an
             :class:`ibp_embed.optim.SparseOptimizer` (``SGD(lr)``, ``Adagrad(lr, eps)``,
             ``RowWiseAdagrad(lr, eps, weight_decay, weight_decay_mode)``): training mode. Every table is then an
@@ -121,11 +115,11 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # Python-side properties TorchScript must not compile (forward is scriptable).
     __jit_unused_properties__ = ["optimizer", "trainable", "compressed_nbytes", "raw_nbytes",
-                                 "optimizer_state_nbytes", "dedup"]
+                                 "optimizer_state_nbytes"]
 
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
                  device: Optional[torch.device] = None, *, strict_features: bool = False,
-                 dedup: str = "never", optimizer: Optional[SparseOptimizer] = None,
+                 dedup: Optional[str] = None, optimizer: Optional[SparseOptimizer] = None,
                  repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                  cache_load_factor: Optional[float] = None, cache_policy: str = "lru",
                  _tables: Optional[Dict[str, CompressedTable]] = None,
@@ -139,7 +133,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._trainable = False
         self._is_weighted = bool(is_weighted)
         self._strict_features = bool(strict_features)
-        self._dedup = check_dedup(dedup)
+        warn_if_dedup(dedup)
         self._embedding_bag_configs = tables
         self.embedding_bags: nn.ModuleDict = nn.ModuleDict()
         self._optimizer: Optional[SparseOptimizer] = None
@@ -157,7 +151,6 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if self._device.type == "cuda":
                 bag.place(self._device, **self._cache_options)
             self.embedding_bags[config.name] = bag
-        self.dedup = self._dedup
         if optimizer is not None:
             self.set_optimizer(optimizer, repack_drift)
         if _tables is not None:
@@ -178,7 +171,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     # ---- construction from other forms ----
     @classmethod
     def from_embedding_bag_collection(cls, ebc: EmbeddingBagCollection, *,
-                                      strict_features: bool = False, dedup: str = "never",
+                                      strict_features: bool = False, dedup: Optional[str] = None,
                                       optimizer: Optional[SparseOptimizer] = None,
                                       repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                                       device: Optional[torch.device] = None,
@@ -356,16 +349,6 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 slots.append(Slot(bag.table, bag.mode, bag.embedding_dim, bag.num_embeddings, f, config.name))
         return slots
 
-    @property
-    def dedup(self) -> str:
-        return self._dedup
-
-    @dedup.setter
-    def dedup(self, value: str) -> None:
-        self._dedup = check_dedup(value)
-        for bag in self.embedding_bags.values():
-            bag.dedup = DEDUP_MODES[value]
-
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature of every table (EmbeddingBagCollection.forward's contract:
         input keys no table reads are ignored unless strict_features=True)."""
@@ -422,9 +405,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         out = cuda.storage_device(self._device) if self._device.type == "cuda" else torch.device("cpu")
         if torch.is_grad_enabled() and features.values().device.type != "meta":
             jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
-            values = training_lookup(self, jobs, b, self.dedup, out)
+            values = training_lookup(self, jobs, b, out)
         else:
-            values = pooled_lookup(features, slots, self._is_weighted, who, key_index, self.dedup)
+            values = pooled_lookup(features, slots, self._is_weighted, who, key_index)
             if self._device.type == "cuda":
                 values = values.to(out)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)
@@ -454,7 +437,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @classmethod
     def load_compressed(cls, path, *, mmap: bool = False, verify: bool = True,
-                        strict_features: bool = False, dedup: str = "never",
+                        strict_features: bool = False, dedup: Optional[str] = None,
                         optimizer: Optional[SparseOptimizer] = None,
                         repack_drift: Optional[float] = DEFAULT_REPACK_DRIFT,
                         device: Optional[torch.device] = None, cache_load_factor: Optional[float] = None,
@@ -490,4 +473,4 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def extra_repr(self) -> str:
         opt = f", optimizer={self._optimizer!r}" if self.trainable else ""
-        return f"is_weighted={self._is_weighted}, device={self._device}, dedup={self.dedup!r}{opt}"
+        return f"is_weighted={self._is_weighted}, device={self._device}{opt}"
