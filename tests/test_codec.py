@@ -658,23 +658,24 @@ def test_masks_are_read_only(table):
     assert "CompressedTable" in repr(table)
 
 
-@pytest.mark.parametrize("n_rows,dim", [(20000, 8), (20000, 128), (3000, 100), (300, 40)])
-def test_lookup_row_cache_collisions_and_repeats(n_rows, dim):
+@pytest.mark.parametrize("n_rows,dim,n", [(20000, 8, 60000), (20000, 128, 60000), (20000, 128, 1500),
+                                          (3000, 100, 60000), (300, 40, 60000)])
+def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
     """Lookups keep a per-thread cache of decoded rows (a slot per row for small
-    tables, hashed slots otherwise) and resolve ids in windows before pooling them in
-    groups: ids that evict each other (many more distinct rows than slots), hot
-    repeats, bags longer than a window, empty bags and row widths with a scalar tail
-    must all pool exactly."""
+    tables, hashed slots otherwise; large calls into large tables deduplicate
+    instead) and resolve ids in windows before pooling them: ids that evict each
+    other (more distinct rows than slots: 1500 ids get 1024 slots), hot repeats,
+    bags longer than a window, empty bags and row widths with a scalar tail must
+    all pool exactly."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(n_rows, dim, generator=g) * 0.01
     t = ibp_embed.compress(w)
-    n = 60000
     hot = torch.randint(0, n_rows, (64,), generator=g)
     idx = torch.where(torch.rand(n, generator=g) < 0.5, hot[torch.randint(0, 64, (n,), generator=g)],
                       torch.randint(0, n_rows, (n,), generator=g))
-    lengths = torch.randint(0, 60, (2000,), generator=g)
+    lengths = torch.randint(0, 60, (max(n // 30, 2),), generator=g)
     lengths[::97] = 0
-    lengths[5] = 700  # longer than a window of ids
+    lengths[1] = 700  # longer than a window of ids
     off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
     off[-1] = n
     want = torch.nn.functional.embedding_bag(idx, w, off[:-1], mode="sum")
@@ -683,11 +684,10 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_lookup_deduplicated_path_pools_exactly(threads):
-    """Wide rows leave the per-thread cache few slots (512 of 8 KB rows), so a
-    skewed batch with several times more distinct rows than slots takes the exact
-    deduplication path (each thread's distinct rows decoded once into a scratch);
-    its sums must be the cached path's, bit for bit, with weights, MEAN, empty bags
-    and a bad id reported."""
+    """A large call into a table with more rows than the per-thread cache has slots
+    (512 of these 8 KB rows) takes the exact deduplication path (each thread's
+    distinct rows decoded once into a scratch); its sums must be the cached path's,
+    bit for bit, with weights, MEAN, empty bags and a bad id reported."""
     from ibp_embed._native import lib
     from ibp_embed.datasets import zipf_ids
 
