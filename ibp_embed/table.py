@@ -113,6 +113,39 @@ class TableReads:
         return out
 
 
+def lookup_many(jobs, n_bags: int, what=None) -> torch.Tensor:
+    """Pooled lookups of several CompressedTables over one batch, in one native call:
+    [n_bags, sum of dims] float32, job after job along the columns (as FBGEMM's TBE
+    fills its output). jobs: [(table, ids, bag offsets [n_bags + 1], weights or None,
+    mode)], with the arguments _lookup_checked takes (already validated). libibp
+    spreads the jobs' bags over its threads in one parallel region and writes each
+    job's columns in place (no per-table outputs to concatenate). what(k) names job
+    k in errors."""
+    dims = [t.shape[1] for t, *_ in jobs]
+    out = torch.empty((n_bags, sum(dims)), dtype=torch.float32)
+    if not jobs or n_bags == 0:
+        return out
+    c_jobs = ffi.new("ibp_lookup_job[]", len(jobs))
+    base, col = out.data_ptr(), 0
+    for k, (t, idx, off, w, mode) in enumerate(jobs):
+        if off.size != n_bags + 1:
+            raise ValueError(f"job {k}: {off.size - 1} bags, the batch has {n_bags}")
+        j = c_jobs[k]
+        j.table, j.dtype, j.dim = t._c, LOOKUP_DTYPES[t.dtype], dims[k]
+        j.indices = _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL
+        j.offsets = _native.ptr(off, "const int64_t *")
+        j.n_bags, j.mode = n_bags, _MODES[mode]
+        j.weights = ffi.NULL if w is None else _native.ptr(w, "const float *")
+        j.out, j.out_stride = ffi.cast("float *", base + 4 * col), out.shape[1]
+        col += dims[k]
+    failed = ffi.new("uint64_t *")
+    rc = lib.ibp_lookup_many(c_jobs, len(jobs), failed)
+    if rc != lib.IBP_OK:
+        k = int(failed[0])
+        _native.check(rc, what(k) if what else f"lookup job {k}")
+    return out
+
+
 class CompressedTable(TableReads):
     """N rows of D elements, stored with Invariant Bit Packing (docs/format.md).
 

@@ -365,25 +365,61 @@ int ibp_decode(const ibp_table *t, const int64_t *idx, uint64_t n_idx, uint8_t *
     return kernels()->decode(t, idx, n_idx, out);
 }
 
+static int check_lookup_job(const ibp_lookup_job *j)
+{
+    if (!j->table || !j->offsets || (j->n_bags && !j->out))
+        return IBP_E_ARG;
+    if (j->dtype != IBP_DTYPE_F32 && j->dtype != IBP_DTYPE_F16 && j->dtype != IBP_DTYPE_BF16)
+        return IBP_E_ARG;
+    if (j->mode != IBP_POOL_SUM && j->mode != IBP_POOL_MEAN)
+        return IBP_E_ARG;
+    uint32_t esize = j->dtype == IBP_DTYPE_F32 ? 4 : 2;
+    if ((uint64_t)j->dim * esize != j->table->cb.row_bytes || j->out_stride < j->dim)
+        return IBP_E_ARG;
+    if (j->offsets[0] != 0)
+        return IBP_E_ARG;
+    for (uint64_t b = 0; b < j->n_bags; b++)
+        if (j->offsets[b + 1] < j->offsets[b])
+            return IBP_E_ARG;
+    if (j->offsets[j->n_bags] > 0 && !j->indices)
+        return IBP_E_ARG;
+    return IBP_OK;
+}
+
+int ibp_lookup_many(const ibp_lookup_job *jobs, uint64_t n_jobs, uint64_t *failed_job)
+{
+    if (n_jobs && !jobs)
+        return IBP_E_ARG;
+    for (uint64_t j = 0; j < n_jobs; j++) {
+        int rc = check_lookup_job(&jobs[j]);
+        if (rc != IBP_OK) {
+            if (failed_job)
+                *failed_job = j;
+            return rc;
+        }
+    }
+    int stack_errs[64];
+    int *errs = n_jobs <= 64 ? stack_errs : malloc(n_jobs * sizeof(int));
+    if (!errs)
+        return IBP_E_NOMEM;
+    for (uint64_t j = 0; j < n_jobs; j++) errs[j] = IBP_OK;
+    kernels()->lookup_many(jobs, n_jobs, errs);
+    int rc = IBP_OK;
+    for (uint64_t j = 0; j < n_jobs && rc == IBP_OK; j++)
+        if (errs[j] != IBP_OK) {
+            rc = errs[j];
+            if (failed_job)
+                *failed_job = j;
+        }
+    if (errs != stack_errs)
+        free(errs);
+    return rc;
+}
+
 int ibp_lookup(const ibp_table *t, int dtype, uint32_t dim, const int64_t *indices,
                const int64_t *offsets, uint64_t n_bags, const float *weights, int mode,
                float *out)
 {
-    if (!t || !offsets || (n_bags && !out))
-        return IBP_E_ARG;
-    if (dtype != IBP_DTYPE_F32 && dtype != IBP_DTYPE_F16 && dtype != IBP_DTYPE_BF16)
-        return IBP_E_ARG;
-    if (mode != IBP_POOL_SUM && mode != IBP_POOL_MEAN)
-        return IBP_E_ARG;
-    uint32_t esize = dtype == IBP_DTYPE_F32 ? 4 : 2;
-    if ((uint64_t)dim * esize != t->cb.row_bytes)
-        return IBP_E_ARG;
-    if (offsets[0] != 0)
-        return IBP_E_ARG;
-    for (uint64_t b = 0; b < n_bags; b++)
-        if (offsets[b + 1] < offsets[b])
-            return IBP_E_ARG;
-    if (offsets[n_bags] > 0 && !indices)
-        return IBP_E_ARG;
-    return kernels()->lookup(t, dtype, dim, indices, offsets, n_bags, weights, mode, out);
+    const ibp_lookup_job job = {t, dtype, dim, indices, offsets, n_bags, weights, mode, out, dim};
+    return ibp_lookup_many(&job, 1, NULL);
 }

@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 1
-#define IBP_ABI_VERSION 3
+#define IBP_ABI_VERSION 4
 
 /* Return codes. */
 #define IBP_OK 0
@@ -122,6 +122,27 @@ int ibp_decode(const ibp_table *t, const int64_t *idx, uint64_t n_idx, uint8_t *
 int ibp_lookup(const ibp_table *t, int dtype, uint32_t dim,
                const int64_t *indices, const int64_t *offsets, uint64_t n_bags,
                const float *weights, int mode, float *out);
+
+/* One pooled lookup of a batch, as ibp_lookup, that writes bag b's pooled row at
+ * out + b * out_stride (out_stride >= dim floats): the jobs of one call can fill
+ * the columns of one [n_bags][sum of dims] output, as FBGEMM's TBE does. */
+typedef struct ibp_lookup_job {
+    const ibp_table *table;
+    int dtype;
+    uint32_t dim;
+    const int64_t *indices;
+    const int64_t *offsets;
+    uint64_t n_bags;
+    const float *weights;
+    int mode;
+    float *out;
+    uint64_t out_stride;
+} ibp_lookup_job;
+
+/* Run n_jobs lookups (of a batch's tables) together, their bags spread over the
+ * threads in one parallel region. On an error, *failed_job (when not NULL) is the
+ * first job that failed; the outputs are then unspecified. */
+int ibp_lookup_many(const ibp_lookup_job *jobs, uint64_t n_jobs, uint64_t *failed_job);
 
 /* ---- Updatable tables (training) ----
  * An ibp_store holds a table whose rows can be rewritten: rows are grouped in blocks

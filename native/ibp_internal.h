@@ -33,9 +33,8 @@ typedef struct ibp_kernels {
                   const uint8_t *clusters, const uint64_t *starts, const uint32_t *lengths,
                   uint8_t *payload);
     int (*decode)(const ibp_table *t, const int64_t *idx, uint64_t n_idx, uint8_t *out);
-    int (*lookup)(const ibp_table *t, int dtype, uint32_t dim, const int64_t *indices,
-                  const int64_t *offsets, uint64_t n_bags, const float *weights,
-                  int mode, float *out);
+    /* Checked jobs; errs[j] receives job j's error (IBP_OK: none). */
+    void (*lookup_many)(const ibp_lookup_job *jobs, uint64_t n_jobs, int *errs);
     /* Optimizer step of n distinct rows (ibp_optim.inc). */
     int (*train_rows)(const ibp_train_job *job, uint64_t first, uint64_t last);
     /* n elements of a float16 / bfloat16 row buffer to float32 (to_float) or back,

@@ -748,3 +748,44 @@ def test_lookup_is_identical_on_every_kernel_set(dtype, mode):
 def test_compress_empty_tensor_with_zero_strides():
     t = ibp_embed.compress(torch.from_numpy(np.zeros((0, 4), np.float32)))
     assert t.shape == (0, 4) and t.decompress().shape == (0, 4)
+
+
+def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
+    """ibp_lookup_many runs several tables' lookups in one call, each writing its
+    columns of one [B, sum of dims] output: every column block must equal that
+    table's own lookup bit for bit (dtypes, dims, weights, MEAN, empty bags, tables
+    small and large enough to deduplicate), and errors name the failing job."""
+    from ibp_embed.table import lookup_many
+
+    from ibp_embed.datasets import zipf_ids
+
+    g = torch.Generator().manual_seed(31)
+    b = 1200
+    specs = [(torch.float32, 50000, 24, "sum", True), (torch.float16, 40, 16, "mean", False),
+             (torch.bfloat16, 3000, 40, "mean", True), (torch.float32, 7, 3, "sum", False)]
+    jobs, want = [], []
+    for dtype, n_rows, dim, mode, weighted in specs:
+        t = ibp_embed.compress((torch.randn(n_rows, dim, generator=g) * 0.1).to(dtype))
+        lengths = torch.randint(0, 100, (b,), generator=g)
+        lengths[::41] = 0
+        off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).numpy()
+        ids = zipf_ids(int(off[-1]), n_rows, 1.05, seed=n_rows).numpy()  # skewed: the first one deduplicates
+        w = torch.rand(ids.size, generator=g).numpy() if weighted else None
+        jobs.append((t, ids, off, w, mode))
+        want.append(t.lookup(ids, off, w, mode=mode))
+    got = lookup_many(jobs, b)
+    assert got.shape == (b, sum(x.shape[1] for x in want))
+    assert torch.equal(got, torch.cat(want, dim=1))
+    for (t, ids, off, w, mode), x in zip(jobs, want):  # and the lookups themselves are right
+        dec, ids_t, off_t = t.decompress(), torch.from_numpy(ids), torch.from_numpy(off)
+        w_t = None if w is None else torch.from_numpy(w)
+        torch.testing.assert_close(x, reference_bag(dec, ids_t, off_t, w_t, mode), rtol=1e-6,
+                                   atol=_atol(dec, ids_t, off_t, w_t, mode))
+    assert lookup_many([], b).shape == (b, 0)
+    t, ids, off, w, mode = jobs[2]
+    bad = ids.copy()
+    bad[3] = t.shape[0]
+    with pytest.raises(IndexError, match="job 2"):
+        lookup_many(jobs[:2] + [(t, bad, off, w, mode)] + jobs[3:], b, lambda k: f"job {k}")
+    with pytest.raises(ValueError, match="bags"):
+        lookup_many([(t, ids, off[:-1], w, mode)], b)

@@ -13,7 +13,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
-from ..table import CompressedTable
+from ..table import CompressedTable, lookup_many
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
 CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress")
@@ -175,11 +175,14 @@ def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool, w
 
 
 def run_lookup_jobs(jobs, b: int) -> torch.Tensor:
-    # lookup_jobs validated everything
+    """[B, sum of dims] of validated jobs (lookup_jobs): packed tables in one native
+    call (libibp spreads all their bags over its threads); updatable ones (training)
+    table by table, each under its store's lock."""
+    if all(isinstance(s.table, CompressedTable) for s, *_ in jobs):
+        return lookup_many([(s.table, ids, bag_off, ws, s.mode) for s, ids, bag_off, ws in jobs], b,
+                           lambda k: f"feature {jobs[k][0].feature!r} of table {jobs[k][0].table_name!r}")
     outs = [s.table._lookup_checked(ids, bag_off, ws, s.mode) for s, ids, bag_off, ws in jobs]
-    if not outs:
-        return torch.empty((b, 0), dtype=torch.float32)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=1) if outs else torch.empty((b, 0), dtype=torch.float32)
 
 
 def concat_features(items):
