@@ -14,7 +14,105 @@
 #define IBP_ISA avx512
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "ibp_bits.h"
+#include "ibp_internal.h"
+
+/* The deposit's gaps depend only on the masks, which a one-cluster table shares
+ * across its rows: a decode plan holds, per step, each run's `below` and `len`
+ * vectors (and the step's bit values narrowed to the lane width), built once per
+ * thread for a table and reused while its masks and bit values are the same
+ * (compared on every use, so a plan can never decode another table's rows). The
+ * deposit was a third of the W = 64 decode time (measured). Tables with several
+ * clusters, or more than PLAN_MAX_RUNS runs in a word, decode without one. */
+#define PLAN_MAX_RUNS 4
+
+typedef struct decode_plan {
+    uint32_t word_bits, n_words, row_bytes, steps;
+    int usable;          /* 0: these masks need more runs than a plan holds */
+    uint64_t *masks, *bitvals;  /* copies of the codebook the plan was built for */
+    __m512i *below, *len;       /* [steps][PLAN_MAX_RUNS] */
+    __m512i *bitval;            /* [steps] */
+    uint8_t *runs;              /* [steps] */
+    size_t cap_words, cap_steps;
+} decode_plan;
+
+static __thread decode_plan tl_plan;
+
+static int plan_reserve(decode_plan *p, size_t words, size_t steps)
+{
+    if (p->cap_words < words) {
+        free(p->masks), free(p->bitvals);
+        p->masks = malloc(words * 8), p->bitvals = malloc(words * 8);
+        p->cap_words = p->masks && p->bitvals ? words : 0;
+    }
+    if (p->cap_steps < steps) {
+        free(p->below), free(p->len), free(p->bitval), free(p->runs);
+        p->below = aligned_alloc(64, steps * PLAN_MAX_RUNS * 64);
+        p->len = aligned_alloc(64, steps * PLAN_MAX_RUNS * 64);
+        p->bitval = aligned_alloc(64, steps * 64);
+        p->runs = malloc(steps);
+        p->cap_steps = p->below && p->len && p->bitval && p->runs ? steps : 0;
+    }
+    return p->cap_words >= words && p->cap_steps >= steps;
+}
+
+/* Store lane l (of W bits) of a 64-byte vector. */
+static inline void put_lane(__m512i *v, uint32_t l, uint64_t x, uint32_t W)
+{
+    uint8_t *b = (uint8_t *)v + (size_t)l * (W / 8);
+    memcpy(b, &x, W / 8);
+}
+
+static const decode_plan *plan_for(const ibp_table *t)
+{
+    const ibp_codebook *cb = &t->cb;
+    decode_plan *p = &tl_plan;
+    const uint32_t W = cb->word_bits, M = cb->n_words, lanes = 512 / W;
+    if (cb->n_clusters != 1)
+        return NULL;
+    if (p->word_bits == W && p->n_words == M && p->row_bytes == cb->row_bytes && p->cap_words >= M &&
+        !memcmp(p->masks, cb->masks, (size_t)M * 8) && !memcmp(p->bitvals, cb->bitvals, (size_t)M * 8))
+        return p->usable ? p : NULL;
+    const uint32_t steps = (cb->row_bytes / (W / 8)) / lanes; /* the SIMD decoders' whole steps */
+    p->word_bits = 0; /* invalid until built */
+    if (!plan_reserve(p, M, steps ? steps : 1))
+        return NULL;
+    memcpy(p->masks, cb->masks, (size_t)M * 8);
+    memcpy(p->bitvals, cb->bitvals, (size_t)M * 8);
+    p->usable = 1;
+    const uint64_t low = ibp_low_bits(W);
+    for (uint32_t st = 0; st < steps && p->usable; st++) {
+        uint32_t most = 0;
+        for (uint32_t r = 0; r < PLAN_MAX_RUNS; r++) {
+            p->below[st * PLAN_MAX_RUNS + r] = _mm512_set1_epi64(-1); /* no-op runs */
+            p->len[st * PLAN_MAX_RUNS + r] = _mm512_setzero_si512();
+        }
+        for (uint32_t l = 0; l < lanes; l++) {
+            const uint32_t j = st * lanes + l;
+            uint64_t m = cb->masks[j] & low;
+            put_lane(&p->bitval[st], l, cb->bitvals[j], W);
+            uint32_t r = 0;
+            for (; m; r++) { /* the runs of the decoders' loop, lowest first */
+                if (r == PLAN_MAX_RUNS) {
+                    p->usable = 0;
+                    break;
+                }
+                uint64_t low_bit = m & (0 - m), run = m & ~(m + low_bit);
+                put_lane(&p->below[st * PLAN_MAX_RUNS + r], l, low_bit - 1, W);
+                put_lane(&p->len[st * PLAN_MAX_RUNS + r], l, (uint64_t)__builtin_popcountll(run), W);
+                m ^= run;
+            }
+            most = r > most ? r : most;
+        }
+        p->runs[st] = (uint8_t)most;
+    }
+    p->word_bits = W, p->n_words = M, p->row_bytes = cb->row_bytes, p->steps = steps;
+    return p->usable ? p : NULL;
+}
+#define IBP_PLAN_FOR(t) ((const void *)plan_for(t))
 
 static inline __m512i shift_lanes_up(__m512i x, int lanes)
 {
@@ -29,8 +127,10 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
 /* Decode words [0, 8 * floor(full / 8)) of a W = 64 row; returns how many. */
 static __attribute__((noinline)) uint32_t decode_words64_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
-                                             const uint8_t *vbits, uint32_t full, uint8_t *out)
+                                             const uint8_t *vbits, uint32_t full, uint8_t *out,
+                                             const void *plan_v)
 {
+    const decode_plan *plan = plan_v;
     const __m512i w64 = _mm512_set1_epi64(64);
     const __m512i ones = _mm512_set1_epi64(-1);
     const __m512i bytes01234567 = _mm512_set1_epi64(0x0706050403020100LL);
@@ -59,6 +159,17 @@ static __attribute__((noinline)) uint32_t decode_words64_avx512(const uint8_t *h
                                         _mm512_sllv_epi64(b8, _mm512_sub_epi64(w64, s))); /* shift 64 gives 0 */
         field = _mm512_andnot_si512(_mm512_sllv_epi64(ones, n), field);                  /* keep n bits */
         /* deposit: open a gap of zeros at each run of invariant bits, lowest first */
+        if (plan) { /* the runs of every lane, planned; non-participating lanes keep the raw word */
+            const __m512i *below = plan->below + (j / 8) * PLAN_MAX_RUNS, *len = plan->len + (j / 8) * PLAN_MAX_RUNS;
+            __m512i dep = field;
+            for (uint32_t r = 0; r < plan->runs[j / 8]; r++)
+                dep = _mm512_or_si512(_mm512_and_si512(dep, below[r]),
+                                      _mm512_sllv_epi64(_mm512_andnot_si512(below[r], dep), len[r]));
+            field = _mm512_mask_mov_epi64(field, part, _mm512_or_si512(dep, plan->bitval[j / 8]));
+            _mm512_storeu_si512((void *)(out + (size_t)j * 8), field);
+            pos += (uint64_t)_mm512_reduce_add_epi64(n);
+            continue;
+        }
         __m512i m = _mm512_maskz_loadu_epi64(part, mask + j);
         while (_mm512_test_epi64_mask(m, m)) {
             __m512i low_bit = _mm512_and_si512(m, _mm512_sub_epi64(_mm512_setzero_si512(), m));
@@ -83,8 +194,10 @@ static __attribute__((noinline)) uint32_t decode_words64_avx512(const uint8_t *h
  * 5 bytes). Two header bytes give the step's lane mask. */
 static __attribute__((noinline)) uint32_t decode_words32_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
-                                             const uint8_t *vbits, uint32_t full, uint8_t *out)
+                                             const uint8_t *vbits, uint32_t full, uint8_t *out,
+                                             const void *plan_v)
 {
+    const decode_plan *plan = plan_v;
     const __m512i w32 = _mm512_set1_epi32(32);
     const __m512i ones = _mm512_set1_epi32(-1);
     const __m512i bytes0123 = _mm512_set1_epi32(0x03020100);
@@ -112,6 +225,17 @@ static __attribute__((noinline)) uint32_t decode_words32_avx512(const uint8_t *h
         __m512i field = _mm512_or_si512(_mm512_srlv_epi32(b0, sh),
                                         _mm512_sllv_epi32(b4, _mm512_sub_epi32(w32, sh))); /* shift 32 gives 0 */
         field = _mm512_andnot_si512(_mm512_sllv_epi32(ones, n), field);                 /* keep n bits */
+        if (plan) { /* as in decode_words64_avx512 */
+            const __m512i *below = plan->below + (j / 16) * PLAN_MAX_RUNS, *len = plan->len + (j / 16) * PLAN_MAX_RUNS;
+            __m512i dep = field;
+            for (uint32_t r = 0; r < plan->runs[j / 16]; r++)
+                dep = _mm512_or_si512(_mm512_and_si512(dep, below[r]),
+                                      _mm512_sllv_epi32(_mm512_andnot_si512(below[r], dep), len[r]));
+            field = _mm512_mask_mov_epi32(field, part, _mm512_or_si512(dep, plan->bitval[j / 16]));
+            _mm512_storeu_si512((void *)(out + (size_t)j * 4), field);
+            pos += (uint64_t)_mm512_reduce_add_epi32(n);
+            continue;
+        }
         /* masks and bit values are stored as 64-bit words: narrow 16 of them */
         __m512i m = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_loadu_si512(mask + j))),
                                        _mm512_cvtepi64_epi32(_mm512_loadu_si512(mask + j + 8)), 1);
@@ -155,8 +279,10 @@ static inline __m512i shift_words_up(__m512i x, int k)
  * gathers); four header bytes give the lane mask. */
 static __attribute__((noinline)) uint32_t decode_words16_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
-                                             const uint8_t *vbits, uint32_t full, uint8_t *out)
+                                             const uint8_t *vbits, uint32_t full, uint8_t *out,
+                                             const void *plan_v)
 {
+    const decode_plan *plan = plan_v;
     const __m512i w16 = _mm512_set1_epi16(16);
     const __m512i ones = _mm512_set1_epi16(-1);
     const __m512i bytes01 = _mm512_set1_epi16(0x0100);
@@ -187,6 +313,17 @@ static __attribute__((noinline)) uint32_t decode_words16_avx512(const uint8_t *h
         __m512i field = _mm512_or_si512(_mm512_srlv_epi16(b0, sh),
                                         _mm512_sllv_epi16(b2, _mm512_sub_epi16(w16, sh))); /* shift 16 gives 0 */
         field = _mm512_andnot_si512(_mm512_sllv_epi16(ones, n), field);                 /* keep n bits */
+        if (plan) { /* as in decode_words64_avx512 */
+            const __m512i *below = plan->below + (j / 32) * PLAN_MAX_RUNS, *len = plan->len + (j / 32) * PLAN_MAX_RUNS;
+            __m512i dep = field;
+            for (uint32_t r = 0; r < plan->runs[j / 32]; r++)
+                dep = _mm512_or_si512(_mm512_and_si512(dep, below[r]),
+                                      _mm512_sllv_epi16(_mm512_andnot_si512(below[r], dep), len[r]));
+            field = _mm512_mask_mov_epi16(field, part, _mm512_or_si512(dep, plan->bitval[j / 32]));
+            _mm512_storeu_si512((void *)(out + (size_t)j * 2), field);
+            pos += (uint64_t)_mm512_reduce_add_epi32(_mm512_madd_epi16(n, _mm512_set1_epi16(1)));
+            continue;
+        }
         /* masks and bit values are stored as 64-bit words: narrow 32 of them */
         __m512i m = _mm512_castsi128_si512(narrow16(mask + j));
         __m512i bv = _mm512_castsi128_si512(narrow16(bitval + j));

@@ -789,3 +789,33 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
         lookup_many(jobs[:2] + [(t, bad, off, w, mode)] + jobs[3:], b, lambda k: f"job {k}")
     with pytest.raises(ValueError, match="bags"):
         lookup_many([(t, ids, off[:-1], w, mode)], b)
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_decode_plans_follow_each_words_own_runs(word_bits):
+    """The AVX-512 decoders plan a one-cluster table's deposits once (per word: its
+    runs of invariant bits and bit values) and reuse the plan while the codebook is
+    the same. Columns with their own sign and exponent give every word its own bit
+    values; int8 rows have more runs per 64-bit word than a plan holds (decoded
+    without one); two tables of one shape decoded in turn must not share a plan.
+    Every instruction set must decode all of them bit for bit."""
+    from ibp_embed._native import lib
+
+    g = torch.Generator().manual_seed(41)
+    cols = torch.arange(96)
+    scale = torch.pow(2.0, (cols % 23 - 11).float()) * torch.where(cols % 3 == 0, -1.0, 1.0)
+    a = ((1 + torch.rand(700, 96, generator=g)) * scale).float()
+    b = ((1 + torch.rand(700, 96, generator=g)) * scale.flip(0)).float()
+    c = torch.randint(-3, 4, (700, 96), generator=g, dtype=torch.int8)
+    tables = [(ibp_embed.compress(x, word_bits=word_bits), x) for x in (a, b, c)]
+    ids = torch.randint(0, 700, (300,), generator=g)
+    before = lib.ibp_isa()
+    try:
+        for isa in range(before + 1):
+            assert lib.ibp_set_isa(isa) == 0
+            for _ in range(2):
+                for t, x in tables:
+                    assert_bits_equal(t.decompress(), x)
+                    assert_bits_equal(t.gather(ids), x[ids])
+    finally:
+        lib.ibp_set_isa(before)
