@@ -7,9 +7,12 @@ cheapest wins there. Costs are additive over words and every candidate costs the
 same metadata, so this is the exact encoded-size minimum over the sweep (up to
 per-row byte rounding), and never worse than any single global threshold.
 
-With clusters > 1, Lloyd-style rounds alternate between assigning each sampled
-row to the cluster that stores it smallest and rebuilding each cluster's masks
-from its members. The result is kept only if it is smaller than one mask.
+With clusters > 1, clusters grow from one mask by greedy splits (_grow, _split:
+a new mask is seeded from the rows the old one stores worst, or by magnitude;
+small tables also try clusters seeded at magnitude quantiles), then Lloyd-style
+rounds alternate between assigning each row to the cluster that stores it
+smallest and refitting each cluster's masks to its members. The result is kept
+only if it is smaller than one mask.
 """
 from __future__ import annotations
 
@@ -25,8 +28,15 @@ from .table import CompressedTable
 THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
 WORD_BITS = (16, 32, 64)
 WORD_SIZE_SLACK = 0.01  # accept up to 1% more bytes for a wider, faster word
-LLOYD_ROUNDS = 8
+LLOYD_ROUNDS = 8  # refit-and-reassign rounds (they stop once no gain)
+SPLIT_ROUNDS = 8  # 2-means rounds when splitting one cluster (they stop once no gain)
+MIN_GAIN = 1e-4  # a split or refit round must shrink its rows by this fraction
+GROW_PATIENCE = 2  # greedy splits stop after this many kept in a row without an exact gain
+QUANTILE_MAX = 4  # small tables also try 2..4 clusters seeded at magnitude quantiles
+QUANTILE_ROWS = 1 << 13  # tables this small (where masks weigh)
+SPLIT_SEED_DIV = 32  # a split may seed its new mask from the 1/32 of rows stored worst
 SAMPLE_ROWS = 1 << 18
+SEARCH_ROWS = 1 << 14  # rows the cluster search runs on (masks need few rows)
 CHUNK_ROWS = 1 << 20  # rows per native call while encoding (progress granularity)
 
 
@@ -73,7 +83,7 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
     book = max((b for size, b in sized if size <= smallest * (1 + WORD_SIZE_SLACK)),
                key=lambda b: b.word_bits)
     if clusters > 1:
-        book = _lloyd(sample, book, int(clusters), thresholds)
+        book = _lloyd(sample, book, int(clusters), thresholds, rng, n_rows)
     return _encode_table(rows, dtype, dim, book, progress)
 
 
@@ -164,37 +174,145 @@ def _single_codebook(sample: np.ndarray, word_bits: int, thresholds) -> _Codeboo
     return _Codebook(sample.shape[1], word_bits, mask[None], bitval[None])
 
 
-def _lloyd(sample: np.ndarray, single: _Codebook, clusters: int, thresholds) -> _Codebook:
-    """Up to `clusters` masks by Lloyd rounds; `single` unless that is smaller."""
-    row_bytes, word_bits = sample.shape[1], single.word_bits
-    k = min(clusters, sample.shape[0])
-    if k <= 1:
-        return single
-    # Seed: quantiles of the magnitude signature; then Lloyd rounds on exact sizes.
-    order = np.argsort(_row_signature(sample, word_bits), kind="stable")
-    ids = np.empty(sample.shape[0], dtype=np.uint8)
-    ids[order] = (np.arange(sample.shape[0]) * k // sample.shape[0]).astype(np.uint8)
-    best, best_size = single, _sample_bytes(single, sample)
-    for _ in range(LLOYD_ROUNDS):
-        masks, bitvals = [], []
-        for c in range(k):
-            members = np.flatnonzero(ids == c)
-            if members.size:
-                mm, vv = _best_masks(sample, members, word_bits, thresholds)
-                masks.append(mm)
-                bitvals.append(vv)
-        book = _Codebook(row_bytes, word_bits, np.stack(masks), np.stack(bitvals))
-        ids, lengths = book.assign(sample)
-        size = int(lengths.sum(dtype=np.uint64)) + book.metadata_bytes()
-        if size >= best_size:
-            break
-        best, best_size = book, size
-        k = book.clusters
+def _fit(sample: np.ndarray, ids: np.ndarray, k: int, word_bits: int, thresholds) -> _Codebook:
+    """Masks of every non-empty cluster 0..k-1 from its members (empty ones dropped)."""
+    fits = [_best_masks(sample, m, word_bits, thresholds)
+            for m in (np.flatnonzero(ids == c) for c in range(k)) if m.size]
+    masks, bitvals = zip(*fits)
+    return _Codebook(sample.shape[1], word_bits, np.stack(masks), np.stack(bitvals))
+
+
+def _size(book: _Codebook, rows: np.ndarray, meta_weight: float | None = None):
+    """(size of `rows` under `book`, their clusters, their stored lengths).
+
+    With meta_weight, the exact size: the rows' bytes plus meta_weight times the
+    masks' (rows / table rows: the table pays for its masks once). Without, the size
+    that splits and refits are judged by: only the bits masks change, leaving out the
+    cluster-id byte of every non-raw row and the masks, which no single split of a
+    small table may pay for (four populations may need two splits before one pays)."""
+    ids, lengths = book.assign(rows)
+    size = int(lengths.sum(dtype=np.uint64))
+    if meta_weight is not None:
+        return size + meta_weight * book.metadata_bytes(), ids, lengths
+    if book.clusters > 1:
+        size -= int(np.count_nonzero(lengths < rows.shape[1]))
+    return size, ids, lengths
+
+
+def _split(rows: np.ndarray, book: _Codebook, c: int, lengths: np.ndarray, sig: np.ndarray,
+           thresholds) -> _Codebook | None:
+    """Cluster c of `book` as two masks fitted to `rows` (its members, stored `lengths`
+    long), or None.
+
+    The new mask is seeded from the rows stored worst (a minority the old mask fails;
+    halves cut at a median tend to get the same masks and collapse back into one),
+    and separately from the rows above the median magnitude signature (populations
+    of different magnitudes). The old mask and the seed then compete for the rows,
+    2-means on stored sizes; the smallest pair over both seeds wins."""
+    cut = np.quantile(lengths, 1 - 1 / SPLIT_SEED_DIV)
+    worst = np.flatnonzero(lengths > cut)
+    if worst.size == 0:  # lengths are whole bytes: many rows tie
+        worst = np.flatnonzero(lengths >= cut)
+    best, best_size = None, None
+    for seed in (worst, np.flatnonzero(sig > np.median(sig))):
+        if seed.size == 0:
+            continue
+        seed_m, seed_v = _best_masks(rows, seed, book.word_bits, thresholds)
+        two = _Codebook(rows.shape[1], book.word_bits, np.stack([book.masks[c], seed_m]),
+                        np.stack([book.bitvals[c], seed_v]))
+        last = None
+        for _ in range(SPLIT_ROUNDS):
+            if two.clusters < 2:  # one side emptied
+                break
+            size, ids, _ = _size(two, rows)
+            if best is None or size < best_size:
+                best, best_size = two, size
+            if last is not None and size > last * (1 - MIN_GAIN):
+                break  # converged: later rounds creep by bytes on small clusters
+            last = size
+            two = _fit(rows, ids, 2, book.word_bits, thresholds)
     return best
 
 
-def _sample_bytes(book: _Codebook, sample: np.ndarray) -> int:
-    return int(book.assign(sample)[1].sum(dtype=np.uint64)) + book.metadata_bytes()
+def _lloyd(sample: np.ndarray, single: _Codebook, clusters: int, thresholds, rng, n_rows: int) -> _Codebook:
+    """Up to `clusters` masks, searched on at most SEARCH_ROWS rows of the sample;
+    `single` unless that is smaller on the sample.
+
+    Candidates, each refined by Lloyd rounds: greedy splits (_grow: finds a minority
+    that pays for a mask of its own, and K masks only add to what fewer found), and
+    in small tables, for q = 2..min(K, QUANTILE_MAX), q clusters seeded at magnitude
+    quantiles (as before: finds populations whose masks pay only all together). A
+    larger K tries what a smaller one does and more (the same greedy path, further),
+    so it seldom ends up larger."""
+    k = min(clusters, sample.shape[0])
+    if k <= 1:
+        return single
+    n = sample.shape[0]
+    rows = sample if n <= SEARCH_ROWS else sample[np.sort(rng.choice(n, SEARCH_ROWS, replace=False))]
+    sig = _row_signature(rows, single.word_bits)
+    found = [_grow(rows, single, k, sig, thresholds, rows.shape[0] / n_rows)]
+    rank = np.empty(rows.shape[0], dtype=np.int64)
+    rank[np.argsort(sig, kind="stable")] = np.arange(rows.shape[0])
+    found += [_fit(rows, rank * q // rows.shape[0], q, single.word_bits, thresholds)
+              for q in range(2, min(k, QUANTILE_MAX) + 1) if n_rows <= QUANTILE_ROWS]
+    found = [_refine(rows, b, thresholds) for b in found if b is not single]
+    best = min([single, *found], key=lambda b: _size(b, rows, rows.shape[0] / n_rows)[0])  # ties: one mask
+    if rows is sample or best is single:
+        return best
+    # Searched on a subsample: keep it only if it is smaller on the whole sample too.
+    return best if _size(best, sample, n / n_rows)[0] < _size(single, sample, n / n_rows)[0] else single
+
+
+def _grow(rows: np.ndarray, single: _Codebook, k: int, sig: np.ndarray, thresholds,
+          meta_weight: float) -> _Codebook:
+    """Greedy splits from one mask; returns the exactly smallest book on the way.
+
+    Splits the cluster storing the most bytes (else the next) and keeps the split when
+    the rows shrink (by MIN_GAIN, _size without ids and masks): K masks only add to
+    what fewer found. (Seeding K clusters at once at magnitude quantiles, as before,
+    often collapsed back into one mask at small K: K=4 found nothing on a trained
+    table where K=16 saved 2%.) The halves of a kept split may split again; a cluster
+    that failed is not retried (the other masks do not change here), and the search
+    stops after GROW_PATIENCE kept splits without an exact gain."""
+    book = single
+    size, ids, lengths = _size(single, rows)
+    best, best_exact, stale = single, _size(single, rows, meta_weight)[0], 0
+    done = np.zeros(1, bool)
+    while book.clusters < k and not done.all() and stale < GROW_PATIENCE:
+        stored = np.bincount(ids, weights=lengths, minlength=book.clusters)
+        c = int(np.argmax(np.where(done, -1.0, stored)))
+        members = np.flatnonzero(ids == c)
+        two = _split(rows[members], book, c, lengths[members], sig[members], thresholds) \
+            if members.size > 1 else None
+        if two is not None:
+            keep = np.arange(book.clusters) != c
+            new = _Codebook(rows.shape[1], book.word_bits, np.concatenate([book.masks[keep], two.masks]),
+                            np.concatenate([book.bitvals[keep], two.bitvals]))
+            new_size, new_ids, new_lengths = _size(new, rows)
+            if new_size < size * (1 - MIN_GAIN):
+                book, size, ids, lengths = new, new_size, new_ids, new_lengths
+                done = np.concatenate([done[keep], [False, False]])
+                exact = int(lengths.sum(dtype=np.uint64)) + meta_weight * book.metadata_bytes()
+                best, best_exact, stale = (book, exact, 0) if exact < best_exact else \
+                    (best, best_exact, stale + 1)
+                continue
+        done[c] = True
+    return best
+
+
+def _refine(rows: np.ndarray, book: _Codebook, thresholds) -> _Codebook:
+    """Lloyd rounds: reassign every row to its smallest cluster and refit every
+    cluster to its members, while the rows shrink."""
+    size, ids, _ = _size(book, rows)
+    for _ in range(LLOYD_ROUNDS if book.clusters > 1 else 0):
+        new = _fit(rows, ids, book.clusters, book.word_bits, thresholds)
+        new_size, new_ids, _ = _size(new, rows)
+        if new_size < size:
+            book = new
+        if new_size > size * (1 - MIN_GAIN):
+            break
+        size, ids = new_size, new_ids
+    return book
 
 
 def _estimate_nbytes(book: _Codebook, sample: np.ndarray, n_rows: int) -> float:
