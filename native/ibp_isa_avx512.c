@@ -20,22 +20,31 @@
 #include "ibp_bits.h"
 #include "ibp_internal.h"
 
-/* The deposit's gaps depend only on the masks, which a one-cluster table shares
- * across its rows: a decode plan holds, per step, each run's `below` and `len`
+/* The deposit's gaps depend only on the masks, which every row of a cluster
+ * shares: a decode plan holds, per cluster and step, each run's `below` and `len`
  * vectors (and the step's bit values narrowed to the lane width), built once per
  * thread for a table and reused while its masks and bit values are the same
  * (compared on every use, so a plan can never decode another table's rows). The
- * deposit was a third of the W = 64 decode time (measured). Tables with several
- * clusters, or more than PLAN_MAX_RUNS runs in a word, decode without one. */
+ * deposit was a third of the W = 64 decode time (measured). Tables with more than
+ * PLAN_MAX_CLUSTERS clusters, and clusters with more than PLAN_MAX_RUNS runs in a
+ * word, decode without one. */
 #define PLAN_MAX_RUNS 4
+#define PLAN_MAX_CLUSTERS 16
+
+/* What the decoders read: one cluster's steps. */
+typedef struct plan_view {
+    const __m512i *below, *len; /* [steps][PLAN_MAX_RUNS] */
+    const __m512i *bitval;      /* [steps] */
+    const uint8_t *runs;        /* [steps]; NULL: this cluster has no plan */
+} plan_view;
 
 typedef struct decode_plan {
-    uint32_t word_bits, n_words, row_bytes, steps;
-    int usable;          /* 0: these masks need more runs than a plan holds */
+    uint32_t word_bits, n_words, row_bytes, clusters;
     uint64_t *masks, *bitvals;  /* copies of the codebook the plan was built for */
-    __m512i *below, *len;       /* [steps][PLAN_MAX_RUNS] */
-    __m512i *bitval;            /* [steps] */
-    uint8_t *runs;              /* [steps] */
+    __m512i *below, *len;       /* [clusters][steps][PLAN_MAX_RUNS] */
+    __m512i *bitval;            /* [clusters][steps] */
+    uint8_t *runs;              /* [clusters][steps] */
+    plan_view views[PLAN_MAX_CLUSTERS];
     size_t cap_words, cap_steps;
 } decode_plan;
 
@@ -66,52 +75,75 @@ static inline void put_lane(__m512i *v, uint32_t l, uint64_t x, uint32_t W)
     memcpy(b, &x, W / 8);
 }
 
-static const decode_plan *plan_for(const ibp_table *t)
+/* Plan the steps of cluster k (masks and bit values of its M words); 0 when a
+ * word has more runs than a plan holds. */
+static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64_t *mask,
+                        const uint64_t *bitval)
 {
-    const ibp_codebook *cb = &t->cb;
-    decode_plan *p = &tl_plan;
-    const uint32_t W = cb->word_bits, M = cb->n_words, lanes = 512 / W;
-    if (cb->n_clusters != 1)
-        return NULL;
-    if (p->word_bits == W && p->n_words == M && p->row_bytes == cb->row_bytes && p->cap_words >= M &&
-        !memcmp(p->masks, cb->masks, (size_t)M * 8) && !memcmp(p->bitvals, cb->bitvals, (size_t)M * 8))
-        return p->usable ? p : NULL;
-    const uint32_t steps = (cb->row_bytes / (W / 8)) / lanes; /* the SIMD decoders' whole steps */
-    p->word_bits = 0; /* invalid until built */
-    if (!plan_reserve(p, M, steps ? steps : 1))
-        return NULL;
-    memcpy(p->masks, cb->masks, (size_t)M * 8);
-    memcpy(p->bitvals, cb->bitvals, (size_t)M * 8);
-    p->usable = 1;
+    const uint32_t W = p->word_bits, lanes = 512 / W;
     const uint64_t low = ibp_low_bits(W);
-    for (uint32_t st = 0; st < steps && p->usable; st++) {
+    __m512i *below = p->below + (size_t)k * steps * PLAN_MAX_RUNS, *len = p->len + (size_t)k * steps * PLAN_MAX_RUNS;
+    for (uint32_t st = 0; st < steps; st++) {
         uint32_t most = 0;
         for (uint32_t r = 0; r < PLAN_MAX_RUNS; r++) {
-            p->below[st * PLAN_MAX_RUNS + r] = _mm512_set1_epi64(-1); /* no-op runs */
-            p->len[st * PLAN_MAX_RUNS + r] = _mm512_setzero_si512();
+            below[st * PLAN_MAX_RUNS + r] = _mm512_set1_epi64(-1); /* no-op runs */
+            len[st * PLAN_MAX_RUNS + r] = _mm512_setzero_si512();
         }
         for (uint32_t l = 0; l < lanes; l++) {
             const uint32_t j = st * lanes + l;
-            uint64_t m = cb->masks[j] & low;
-            put_lane(&p->bitval[st], l, cb->bitvals[j], W);
+            uint64_t m = mask[j] & low;
+            put_lane(&p->bitval[(size_t)k * steps + st], l, bitval[j], W);
             uint32_t r = 0;
             for (; m; r++) { /* the runs of the decoders' loop, lowest first */
-                if (r == PLAN_MAX_RUNS) {
-                    p->usable = 0;
-                    break;
-                }
+                if (r == PLAN_MAX_RUNS)
+                    return 0;
                 uint64_t low_bit = m & (0 - m), run = m & ~(m + low_bit);
-                put_lane(&p->below[st * PLAN_MAX_RUNS + r], l, low_bit - 1, W);
-                put_lane(&p->len[st * PLAN_MAX_RUNS + r], l, (uint64_t)__builtin_popcountll(run), W);
+                put_lane(&below[st * PLAN_MAX_RUNS + r], l, low_bit - 1, W);
+                put_lane(&len[st * PLAN_MAX_RUNS + r], l, (uint64_t)__builtin_popcountll(run), W);
                 m ^= run;
             }
             most = r > most ? r : most;
         }
-        p->runs[st] = (uint8_t)most;
+        p->runs[(size_t)k * steps + st] = (uint8_t)most;
     }
-    p->word_bits = W, p->n_words = M, p->row_bytes = cb->row_bytes, p->steps = steps;
-    return p->usable ? p : NULL;
+    return 1;
 }
+
+static const decode_plan *plan_for(const ibp_table *t)
+{
+    const ibp_codebook *cb = &t->cb;
+    decode_plan *p = &tl_plan;
+    const uint32_t W = cb->word_bits, M = cb->n_words, K = cb->n_clusters;
+    const size_t words = (size_t)K * M;
+    if (K > PLAN_MAX_CLUSTERS)
+        return NULL;
+    if (p->word_bits == W && p->n_words == M && p->row_bytes == cb->row_bytes && p->clusters == K &&
+        !memcmp(p->masks, cb->masks, words * 8) && !memcmp(p->bitvals, cb->bitvals, words * 8))
+        return p;
+    const uint32_t steps = (cb->row_bytes / (W / 8)) / (512 / W); /* the SIMD decoders' whole steps */
+    p->word_bits = 0; /* invalid until built */
+    if (!plan_reserve(p, words, (size_t)K * (steps ? steps : 1)))
+        return NULL;
+    memcpy(p->masks, cb->masks, words * 8);
+    memcpy(p->bitvals, cb->bitvals, words * 8);
+    p->word_bits = W;
+    for (uint32_t k = 0; k < K; k++) {
+        const size_t at = (size_t)k * steps;
+        int ok = plan_cluster(p, k, steps, cb->masks + (size_t)k * M, cb->bitvals + (size_t)k * M);
+        p->views[k] = (plan_view){p->below + at * PLAN_MAX_RUNS, p->len + at * PLAN_MAX_RUNS, p->bitval + at,
+                                  ok ? p->runs + at : NULL};
+    }
+    p->n_words = M, p->row_bytes = cb->row_bytes, p->clusters = K;
+    return p;
+}
+
+/* The view of cluster k, or NULL (no plan). */
+static inline const void *plan_of_cluster(const void *plan, uint32_t k)
+{
+    const decode_plan *p = plan;
+    return p && p->views[k].runs ? &p->views[k] : NULL;
+}
+#define IBP_PLAN_CLUSTER(plan, k) plan_of_cluster((plan), (k))
 #define IBP_PLAN_FOR(t) ((const void *)plan_for(t))
 
 static inline __m512i shift_lanes_up(__m512i x, int lanes)
@@ -130,7 +162,7 @@ static __attribute__((noinline)) uint32_t decode_words64_avx512(const uint8_t *h
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
                                              const void *plan_v)
 {
-    const decode_plan *plan = plan_v;
+    const plan_view *plan = plan_v;
     const __m512i w64 = _mm512_set1_epi64(64);
     const __m512i ones = _mm512_set1_epi64(-1);
     const __m512i bytes01234567 = _mm512_set1_epi64(0x0706050403020100LL);
@@ -197,7 +229,7 @@ static __attribute__((noinline)) uint32_t decode_words32_avx512(const uint8_t *h
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
                                              const void *plan_v)
 {
-    const decode_plan *plan = plan_v;
+    const plan_view *plan = plan_v;
     const __m512i w32 = _mm512_set1_epi32(32);
     const __m512i ones = _mm512_set1_epi32(-1);
     const __m512i bytes0123 = _mm512_set1_epi32(0x03020100);
@@ -282,7 +314,7 @@ static __attribute__((noinline)) uint32_t decode_words16_avx512(const uint8_t *h
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
                                              const void *plan_v)
 {
-    const decode_plan *plan = plan_v;
+    const plan_view *plan = plan_v;
     const __m512i w16 = _mm512_set1_epi16(16);
     const __m512i ones = _mm512_set1_epi16(-1);
     const __m512i bytes01 = _mm512_set1_epi16(0x0100);

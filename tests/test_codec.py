@@ -830,12 +830,13 @@ def test_more_clusters_keep_what_fewer_found(word_bits):
 
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
 def test_decode_plans_follow_each_words_own_runs(word_bits):
-    """The AVX-512 decoders plan a one-cluster table's deposits once (per word: its
+    """The AVX-512 decoders plan a table's deposits once (per cluster and word: its
     runs of invariant bits and bit values) and reuse the plan while the codebook is
     the same. Columns with their own sign and exponent give every word its own bit
     values; int8 rows have more runs per 64-bit word than a plan holds (decoded
-    without one); two tables of one shape decoded in turn must not share a plan.
-    Every instruction set must decode all of them bit for bit."""
+    without one); two tables of one shape decoded in turn must not share a plan; a
+    table of four magnitudes has a plan per cluster. Every instruction set must
+    decode all of them bit for bit."""
     from ibp_embed._native import lib
 
     g = torch.Generator().manual_seed(41)
@@ -845,6 +846,10 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
     b = ((1 + torch.rand(700, 96, generator=g)) * scale.flip(0)).float()
     c = torch.randint(-3, 4, (700, 96), generator=g, dtype=torch.int8)
     tables = [(ibp_embed.compress(x, word_bits=word_bits), x) for x in (a, b, c)]
+    # rows of four magnitudes: a plan per cluster
+    d = a * torch.pow(2.0, 8.0 * (torch.arange(700) % 4)).unsqueeze(1)
+    tables.append((ibp_embed.compress(d, word_bits=word_bits, clusters=4), d))
+    assert tables[-1][0].clusters > 1
     ids = torch.randint(0, 700, (300,), generator=g)
     before = lib.ibp_isa()
     try:
