@@ -128,8 +128,16 @@ def lookup_many(jobs, n_bags: int, what=None) -> torch.Tensor:
     c_jobs = ffi.new("ibp_lookup_job[]", len(jobs))
     base, col = out.data_ptr(), 0
     for k, (t, idx, off, w, mode) in enumerate(jobs):
+        # O(1) checks that keep libibp inside the arrays (it checks the offsets' order)
+        if t.dtype not in LOOKUP_DTYPES:
+            raise TypeError(f"job {k}: pooled lookups need a float32, float16 or bfloat16 table, not {t.dtype}")
+        if idx.dtype != np.int64 or off.dtype != np.int64 or (w is not None and w.dtype != np.float32):
+            raise TypeError(f"job {k}: ids and offsets must be int64 arrays and weights float32")
         if off.size != n_bags + 1:
             raise ValueError(f"job {k}: {off.size - 1} bags, the batch has {n_bags}")
+        if off[-1] != idx.size or (w is not None and w.size != idx.size):
+            raise ValueError(f"job {k}: offsets end at {int(off[-1])} for {idx.size} ids"
+                             + ("" if w is None else f" and {w.size} weights"))
         j = c_jobs[k]
         j.table, j.dtype, j.dim = t._c, LOOKUP_DTYPES[t.dtype], dims[k]
         j.indices = _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL

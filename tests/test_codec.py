@@ -789,6 +789,10 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
         lookup_many(jobs[:2] + [(t, bad, off, w, mode)] + jobs[3:], b, lambda k: f"job {k}")
     with pytest.raises(ValueError, match="bags"):
         lookup_many([(t, ids, off[:-1], w, mode)], b)
+    with pytest.raises(ValueError, match="offsets end"):
+        lookup_many([(t, ids[:-1], off, None, mode)], b)
+    with pytest.raises(TypeError, match="int64"):
+        lookup_many([(t, ids.astype(np.int32), off, w, mode)], b)
 
 
 def minority_rows(n=1024, dim=32, every=10, seed=0) -> tuple[torch.Tensor, np.ndarray]:
