@@ -834,10 +834,11 @@ def test_more_clusters_keep_what_fewer_found(word_bits):
 
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
 def test_decode_plans_follow_each_words_own_runs(word_bits):
-    """The AVX-512 decoders plan a table's deposits once (per cluster and word: its
-    runs of invariant bits and bit values) and reuse the plan while the codebook is
-    the same. Columns with their own sign and exponent give every word its own bit
-    values; int8 rows have more runs per 64-bit word than a plan holds (decoded
+    """The AVX-512 decoders plan a table's deposits once (per cluster and word: a
+    shift per run of variable bits in each byte, and the bit values) and reuse the
+    plan while the codebook is the same. Columns with their own sign and exponent
+    give every word its own bit values; int8 bytes with variable bits 0, 2 and 4 take
+    a plan's three shifts, and with 0, 2, 4 and 6 more than a plan holds (decoded
     without one); two tables of one shape decoded in turn must not share a plan; a
     table of four magnitudes has a plan per cluster. Every instruction set must
     decode all of them bit for bit."""
@@ -848,8 +849,8 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
     scale = torch.pow(2.0, (cols % 23 - 11).float()) * torch.where(cols % 3 == 0, -1.0, 1.0)
     a = ((1 + torch.rand(700, 96, generator=g)) * scale).float()
     b = ((1 + torch.rand(700, 96, generator=g)) * scale.flip(0)).float()
-    c = torch.randint(-3, 4, (700, 96), generator=g, dtype=torch.int8)
-    tables = [(ibp_embed.compress(x, word_bits=word_bits), x) for x in (a, b, c)]
+    c = torch.randint(0, 128, (700, 96), generator=g, dtype=torch.int8)
+    tables = [(ibp_embed.compress(x, word_bits=word_bits), x) for x in (a, b, c & 0x15, c & 0x55)]
     # rows of four magnitudes: a plan per cluster
     d = a * torch.pow(2.0, 8.0 * (torch.arange(700) % 4)).unsqueeze(1)
     tables.append((ibp_embed.compress(d, word_bits=word_bits, clusters=4), d))
