@@ -3,7 +3,7 @@
  *
  * Per step of 8 words: the header byte is the lane mask of participating words;
  * field lengths (vbits or 64) are prefix-summed across lanes to get each field's
- * bit offset; a 128-byte window of the bitstream sits in two registers and VPERMB
+ * bit offset (or, in a planned step, read from the plan: see step_layout); a 128-byte window of the bitstream sits in two registers and VPERMB
  * pulls each lane's 16 bytes out of it (two 8-byte halves), shifted into place by
  * the offset's low bits. The deposit (pdep has no vector form) is planned per
  * table (VPMULTISHIFTQB, below); without a plan it inserts zeros at the mask's runs
@@ -40,10 +40,23 @@
 #define PLAN_MAX_SHIFTS 3
 #define PLAN_MAX_CLUSTERS 16
 
+/* A step's layout: where each lane's field starts when every word participates
+ * (`excl`, the vbits of the lanes below) and the step's bits (`total`). A word that
+ * does not participate takes `extra` = W - vbits bits more; when every lane with
+ * invariant bits has the same extra (float tables: every word has the same mask),
+ * a step's field offsets are excl + extra * (the non-participating lanes below),
+ * a popcount, instead of a prefix sum over the lanes. */
+typedef struct step_layout {
+    uint32_t total, extra_lanes; /* extra_lanes: the lanes with invariant bits */
+    uint8_t extra;               /* 0: the extras differ, no layout */
+} step_layout;
+
 /* What the decoders read: one cluster's steps. */
 typedef struct plan_view {
     const __m512i *ctrl, *sel;  /* [steps][PLAN_MAX_SHIFTS] */
     const __m512i *bitval;      /* [steps] */
+    const __m512i *excl;        /* [steps] */
+    const step_layout *layout;  /* [steps] */
     const uint8_t *shifts;      /* [steps]; NULL: this cluster has no plan */
 } plan_view;
 
@@ -51,7 +64,8 @@ typedef struct decode_plan {
     uint32_t word_bits, n_words, row_bytes, clusters;
     uint64_t *masks, *bitvals;  /* copies of the codebook the plan was built for */
     __m512i *ctrl, *sel;        /* [clusters][steps][PLAN_MAX_SHIFTS] */
-    __m512i *bitval;            /* [clusters][steps] */
+    __m512i *bitval, *excl;     /* [clusters][steps] */
+    step_layout *layout;        /* [clusters][steps] */
     uint8_t *shifts;            /* [clusters][steps] */
     plan_view views[PLAN_MAX_CLUSTERS];
     size_t cap_words, cap_steps;
@@ -67,12 +81,14 @@ static int plan_reserve(decode_plan *p, size_t words, size_t steps)
         p->cap_words = p->masks && p->bitvals ? words : 0;
     }
     if (p->cap_steps < steps) {
-        free(p->ctrl), free(p->sel), free(p->bitval), free(p->shifts);
+        free(p->ctrl), free(p->sel), free(p->bitval), free(p->excl), free(p->layout), free(p->shifts);
         p->ctrl = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
         p->sel = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
         p->bitval = aligned_alloc(64, steps * 64);
+        p->excl = aligned_alloc(64, steps * 64);
+        p->layout = malloc(steps * sizeof(step_layout));
         p->shifts = malloc(steps);
-        p->cap_steps = p->ctrl && p->sel && p->bitval && p->shifts ? steps : 0;
+        p->cap_steps = p->ctrl && p->sel && p->bitval && p->excl && p->layout && p->shifts ? steps : 0;
     }
     return p->cap_words >= words && p->cap_steps >= steps;
 }
@@ -100,11 +116,20 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
     memset(sel, 0, (size_t)steps * PLAN_MAX_SHIFTS * 64);
     for (uint32_t st = 0; st < steps; st++) {
         uint32_t most = 0;
+        step_layout lay = {0, 0, 0};
+        int same_extra = 1;
         for (uint32_t l = 0; l < lanes; l++) {
             const uint32_t j = st * lanes + l;
             const uint64_t var = ~mask[j] & low;
-            const uint32_t base = (l % (64 / W)) * W;
+            const uint32_t base = (l % (64 / W)) * W, vbits = (uint32_t)__builtin_popcountll(var);
             put_lane(&bv[st], l, bitval[j], W);
+            put_lane(&p->excl[(size_t)k * steps + st], l, lay.total, W);
+            lay.total += vbits;
+            if (vbits < W) {
+                same_extra &= !lay.extra || lay.extra == W - vbits;
+                lay.extra = (uint8_t)(W - vbits);
+                lay.extra_lanes |= 1u << l;
+            }
             uint32_t rank = 0; /* variable bits below the current one */
             for (uint32_t b = 0; b < W / 8; b++) {
                 const size_t at = (size_t)st * PLAN_MAX_SHIFTS * 64 + l * (W / 8) + b; /* shift 0's byte */
@@ -126,6 +151,9 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
             }
         }
         p->shifts[(size_t)k * steps + st] = (uint8_t)most;
+        if (!same_extra)
+            lay.extra = 0;
+        p->layout[(size_t)k * steps + st] = lay;
     }
     return 1;
 }
@@ -152,7 +180,7 @@ static const decode_plan *plan_for(const ibp_table *t)
         const size_t at = (size_t)k * steps;
         int ok = plan_cluster(p, k, steps, cb->masks + (size_t)k * M, cb->bitvals + (size_t)k * M);
         p->views[k] = (plan_view){p->ctrl + at * PLAN_MAX_SHIFTS, p->sel + at * PLAN_MAX_SHIFTS, p->bitval + at,
-                                  ok ? p->shifts + at : NULL};
+                                  p->excl + at, p->layout + at, ok ? p->shifts + at : NULL};
     }
     p->n_words = M, p->row_bytes = cb->row_bytes, p->clusters = K;
     return p;
@@ -202,18 +230,33 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
     const __m512i bytes01234567 = _mm512_set1_epi64(0x0706050403020100LL);
     const __m512i bytes_x8 = _mm512_set1_epi64(0x0808080808080808LL);
     const __m512i splat_byte = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0808080808080808LL, 0)); /* lane's byte 0 */
+    const __m512i lanes_below = _mm512_set_epi64(127, 63, 31, 15, 7, 3, 1, 0); /* lane l: the lanes under it */
     uint64_t pos = *pos_io;
     uint32_t j = 0;
     for (; j + 8 <= full; j += 8) {
         __mmask8 part = hdr[j / 8];
-        __m512i vb = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)(vbits + j)));
-        /* n = part ? vbits : 64, as arithmetic (a masked blend here crashes GCC 12's LRA) */
-        __m512i n = _mm512_sub_epi64(w64, _mm512_and_si512(_mm512_sub_epi64(w64, vb), _mm512_movm_epi64(part)));
-        __m512i incl = _mm512_add_epi64(n, shift_lanes_up(n, 1));
-        incl = _mm512_add_epi64(incl, shift_lanes_up(incl, 2));
-        incl = _mm512_add_epi64(incl, shift_lanes_up(incl, 4));
+        __m512i excl, n = w64; /* each field's offset from the step's first bit; its length (read
+                                * only by the unplanned deposit) */
+        uint64_t step_bits;
+        const step_layout *lay = plan ? &plan->layout[j / 8] : NULL;
+        if (lay && lay->extra) { /* the planned layout, corrected for non-participating lanes */
+            const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
+            const __m512i below = _mm512_and_si512(_mm512_set1_epi64(late), lanes_below);
+            excl = _mm512_add_epi64(plan->excl[j / 8], _mm512_mullo_epi64(_mm512_popcnt_epi64(below),
+                                                                          _mm512_set1_epi64(lay->extra)));
+            step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
+        } else {
+            __m512i vb = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)(vbits + j)));
+            /* n = part ? vbits : 64, as arithmetic (a masked blend here crashes GCC 12's LRA) */
+            n = _mm512_sub_epi64(w64, _mm512_and_si512(_mm512_sub_epi64(w64, vb), _mm512_movm_epi64(part)));
+            __m512i incl = _mm512_add_epi64(n, shift_lanes_up(n, 1));
+            incl = _mm512_add_epi64(incl, shift_lanes_up(incl, 2));
+            incl = _mm512_add_epi64(incl, shift_lanes_up(incl, 4));
+            excl = _mm512_sub_epi64(incl, n);
+            step_bits = (uint64_t)_mm_extract_epi64(_mm512_extracti64x2_epi64(incl, 3), 1);
+        }
         /* bit offset of each field from the window's first byte */
-        __m512i at = _mm512_add_epi64(_mm512_sub_epi64(incl, n), _mm512_set1_epi64((long long)(pos & 7)));
+        __m512i at = _mm512_add_epi64(excl, _mm512_set1_epi64((long long)(pos & 7)));
         const uint8_t *win = bs + (pos >> 3);
         __m512i lo = _mm512_loadu_si512((const void *)win);
         __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
@@ -223,7 +266,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
         __m512i s = _mm512_and_si512(at, _mm512_set1_epi64(7));
         __m512i field = _mm512_or_si512(_mm512_srlv_epi64(b0, s),
                                         _mm512_sllv_epi64(b8, _mm512_sub_epi64(w64, s))); /* shift 64 gives 0 */
-        const uint64_t step_bits = (uint64_t)_mm_extract_epi64(_mm512_extracti64x2_epi64(incl, 3), 1);
         if (plan) { /* planned deposit (see plan_cluster); non-participating lanes keep the raw word */
             const __m512i *ctrl = plan->ctrl + (j / 8) * PLAN_MAX_SHIFTS, *sel = plan->sel + (j / 8) * PLAN_MAX_SHIFTS;
             __m512i dep = plan_deposit(ctrl, sel, plan->bitval[j / 8], plan->shifts[j / 8], field);
@@ -267,18 +309,33 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(cons
     const __m512i bytes0123 = _mm512_set1_epi32(0x03020100);
     const __m512i bytes_x4 = _mm512_set1_epi32(0x04040404);
     const __m512i splat_byte = _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0));
+    const __m512i lanes_below = _mm512_set_epi32(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f, 0x3f,
+                                                 0x1f, 0xf, 0x7, 0x3, 0x1, 0);
     const __m512i zero = _mm512_setzero_si512();
     uint64_t pos = *pos_io;
     uint32_t j = 0;
     for (; j + 16 <= full; j += 16) {
         __mmask16 part = (__mmask16)(hdr[j / 8] | (hdr[j / 8 + 1] << 8));
-        __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(vbits + j)));
-        __m512i n = _mm512_sub_epi32(w32, _mm512_and_si512(_mm512_sub_epi32(w32, vb), _mm512_movm_epi32(part)));
-        __m512i incl = _mm512_add_epi32(n, _mm512_alignr_epi32(n, zero, 15));
-        incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 14));
-        incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 12));
-        incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 8));
-        __m512i at = _mm512_add_epi32(_mm512_sub_epi32(incl, n), _mm512_set1_epi32((int)(pos & 7)));
+        __m512i excl, n = w32;
+        uint64_t step_bits;
+        const step_layout *lay = plan ? &plan->layout[j / 16] : NULL;
+        if (lay && lay->extra) { /* as in decode_words64_avx512 */
+            const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
+            const __m512i below = _mm512_and_si512(_mm512_set1_epi32((int)late), lanes_below);
+            excl = _mm512_add_epi32(plan->excl[j / 16], _mm512_mullo_epi32(_mm512_popcnt_epi32(below),
+                                                                           _mm512_set1_epi32(lay->extra)));
+            step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
+        } else {
+            __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(vbits + j)));
+            n = _mm512_sub_epi32(w32, _mm512_and_si512(_mm512_sub_epi32(w32, vb), _mm512_movm_epi32(part)));
+            __m512i incl = _mm512_add_epi32(n, _mm512_alignr_epi32(n, zero, 15));
+            incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 14));
+            incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 12));
+            incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 8));
+            excl = _mm512_sub_epi32(incl, n);
+            step_bits = (uint32_t)_mm_extract_epi32(_mm512_extracti32x4_epi32(incl, 3), 3);
+        }
+        __m512i at = _mm512_add_epi32(excl, _mm512_set1_epi32((int)(pos & 7)));
         const uint8_t *win = bs + (pos >> 3);
         __m512i lo = _mm512_loadu_si512((const void *)win);
         __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
@@ -288,7 +345,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(cons
         __m512i sh = _mm512_and_si512(at, _mm512_set1_epi32(7));
         __m512i field = _mm512_or_si512(_mm512_srlv_epi32(b0, sh),
                                         _mm512_sllv_epi32(b4, _mm512_sub_epi32(w32, sh))); /* shift 32 gives 0 */
-        const uint64_t step_bits = (uint32_t)_mm_extract_epi32(_mm512_extracti32x4_epi32(incl, 3), 3);
         if (plan) { /* as in decode_words64_avx512 */
             const __m512i *ctrl = plan->ctrl + (j / 16) * PLAN_MAX_SHIFTS, *sel = plan->sel + (j / 16) * PLAN_MAX_SHIFTS;
             __m512i dep = plan_deposit(ctrl, sel, plan->bitval[j / 16], plan->shifts[j / 16], field);
@@ -350,6 +406,13 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(cons
     const __m512i bytes01 = _mm512_set1_epi16(0x0100);
     const __m512i bytes_x2 = _mm512_set1_epi16(0x0202);
     const __m512i splat_byte = _mm512_broadcast_i32x4(_mm_set_epi16(0x0e0e, 0x0c0c, 0x0a0a, 0x0808, 0x0606, 0x0404, 0x0202, 0));
+    /* lane l: the lanes under it among lanes 0-15 (lo) and 16-31 (hi) */
+    const __m512i lanes_below_lo = _mm512_set_epi16(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                    0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f,
+                                                    0x3f, 0x1f, 0xf, 0x7, 0x3, 0x1, 0);
+    const __m512i lanes_below_hi = _mm512_set_epi16(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f,
+                                                    0x3f, 0x1f, 0xf, 0x7, 0x3, 0x1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                    0, 0, 0, 0, 0, 0);
     const __m512i zero = _mm512_setzero_si512();
     uint64_t pos = *pos_io;
     uint32_t j = 0;
@@ -357,14 +420,28 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(cons
         uint32_t bits;
         memcpy(&bits, hdr + j / 8, 4);
         __mmask32 part = (__mmask32)bits;
-        __m512i vb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(vbits + j)));
-        __m512i n = _mm512_sub_epi16(w16, _mm512_and_si512(_mm512_sub_epi16(w16, vb), _mm512_movm_epi16(part)));
-        __m512i incl = _mm512_add_epi16(n, shift_words_up(n, 1));
-        incl = _mm512_add_epi16(incl, shift_words_up(incl, 2));
-        incl = _mm512_add_epi16(incl, shift_words_up(incl, 4));
-        incl = _mm512_add_epi16(incl, shift_words_up(incl, 8));
-        incl = _mm512_add_epi16(incl, shift_words_up(incl, 16));
-        __m512i at = _mm512_add_epi16(_mm512_sub_epi16(incl, n), _mm512_set1_epi16((short)(pos & 7)));
+        __m512i excl, n = w16;
+        uint64_t step_bits;
+        const step_layout *lay = plan ? &plan->layout[j / 32] : NULL;
+        if (lay && lay->extra) { /* as in decode_words64_avx512; 32 lanes: the mask's halves apart */
+            const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
+            const __m512i below = _mm512_add_epi16(
+                _mm512_popcnt_epi16(_mm512_and_si512(_mm512_set1_epi16((short)(late & 0xffff)), lanes_below_lo)),
+                _mm512_popcnt_epi16(_mm512_and_si512(_mm512_set1_epi16((short)(late >> 16)), lanes_below_hi)));
+            excl = _mm512_add_epi16(plan->excl[j / 32], _mm512_mullo_epi16(below, _mm512_set1_epi16(lay->extra)));
+            step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
+        } else {
+            __m512i vb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(vbits + j)));
+            n = _mm512_sub_epi16(w16, _mm512_and_si512(_mm512_sub_epi16(w16, vb), _mm512_movm_epi16(part)));
+            __m512i incl = _mm512_add_epi16(n, shift_words_up(n, 1));
+            incl = _mm512_add_epi16(incl, shift_words_up(incl, 2));
+            incl = _mm512_add_epi16(incl, shift_words_up(incl, 4));
+            incl = _mm512_add_epi16(incl, shift_words_up(incl, 8));
+            incl = _mm512_add_epi16(incl, shift_words_up(incl, 16));
+            excl = _mm512_sub_epi16(incl, n);
+            step_bits = (uint16_t)_mm_extract_epi16(_mm512_extracti32x4_epi32(incl, 3), 7);
+        }
+        __m512i at = _mm512_add_epi16(excl, _mm512_set1_epi16((short)(pos & 7)));
         const uint8_t *win = bs + (pos >> 3);
         __m512i lo = _mm512_loadu_si512((const void *)win);
         __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
@@ -374,7 +451,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(cons
         __m512i sh = _mm512_and_si512(at, _mm512_set1_epi16(7));
         __m512i field = _mm512_or_si512(_mm512_srlv_epi16(b0, sh),
                                         _mm512_sllv_epi16(b2, _mm512_sub_epi16(w16, sh))); /* shift 16 gives 0 */
-        const uint64_t step_bits = (uint16_t)_mm_extract_epi16(_mm512_extracti32x4_epi32(incl, 3), 7);
         if (plan) { /* as in decode_words64_avx512 */
             const __m512i *ctrl = plan->ctrl + (j / 32) * PLAN_MAX_SHIFTS, *sel = plan->sel + (j / 32) * PLAN_MAX_SHIFTS;
             __m512i dep = plan_deposit(ctrl, sel, plan->bitval[j / 32], plan->shifts[j / 32], field);

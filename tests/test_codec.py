@@ -832,6 +832,34 @@ def test_more_clusters_keep_what_fewer_found(word_bits):
     assert sizes[3] <= sizes[2] <= sizes[1] < sizes[0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_decode_plans_place_fields_after_words_that_do_not_participate(word_bits, dtype):
+    """Where every word of a step has the same invariant bits, the AVX-512 decoders
+    take the fields' offsets from the plan and add W - vbits for each word below that
+    does not participate. Values in [1, 2) share their exponent; scattered outliers
+    (another exponent) make single words, and so the fields after them, move. Every
+    instruction set must decode the table bit for bit."""
+    from ibp_embed._native import lib
+
+    g = torch.Generator().manual_seed(43)
+    w = (1 + torch.rand(900, 128, generator=g)).to(dtype)
+    outliers = torch.rand(900, 128, generator=g) < 0.01
+    w[outliers] = (w[outliers].float() * 1024).to(dtype)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    lengths = t.row_lengths()
+    assert t.clusters == 1 and len(np.unique(lengths)) > 3  # outliers do not participate: longer rows
+    ids = torch.randint(0, 900, (400,), generator=g)
+    before = lib.ibp_isa()
+    try:
+        for isa in range(before + 1):
+            assert lib.ibp_set_isa(isa) == 0
+            assert_bits_equal(t.decompress(), w)
+            assert_bits_equal(t.gather(ids), w[ids])
+    finally:
+        lib.ibp_set_isa(before)
+
+
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
 def test_decode_plans_follow_each_words_own_runs(word_bits):
     """The AVX-512 decoders plan a table's deposits once (per cluster and word: a
