@@ -168,8 +168,8 @@ def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool, w
             mn, mx = ids.min(), ids.max()
             if mn < 0 or mx >= s.n_rows:
                 bad = int(mn if mn < 0 else mx)
-                raise IndexError(f"{who}: feature {s.feature!r} has id {bad}, out of range for table "
-                                 f"{s.table_name!r} of {s.n_rows} rows")
+                raise IndexError(f"{who}: feature {s.feature!r} of table {s.table_name!r}: id {bad} out of "
+                                 f"range for a table of {s.n_rows} rows")
         jobs.append((s, ids, off[k * b:(k + 1) * b + 1] - lo, None if w is None else w[lo:hi]))
     return jobs, b
 

@@ -359,8 +359,11 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                                    "traced: trace (or script, export) the module on the CPU")
             if not is_fx_tracing():
                 self._check_features(features)
-            if self._trainable:
-                return self._forward_trainable(features)
+            if self._trainable or (self._device.type == "cpu" and not is_fx_tracing()
+                                   and not torch.compiler.is_compiling()):
+                return self._forward_eager(features)
+        # Traced, compiled or scripted (and on cuda): one op per feature, which fx,
+        # torch.compile and export can see.
         feature_dict = features.to_dict()
         pooled: List[torch.Tensor] = []
         for i, bag in enumerate(self.embedding_bags.values()):
@@ -392,10 +395,15 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                              "KeyedJaggedTensor has no weights")
 
     @torch.jit.unused
-    def _forward_trainable(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Eager lookups in the tables' stores (on the host, outputs moved to the module's
-        device); under grad mode their outputs take part in autograd and backward applies
+    def _forward_eager(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Eager lookups on the host, outputs moved to the module's device: the batch's
+        packed tables in one native call that writes every table's columns of the output
+        in place (no per-feature outputs to concatenate); a trainable module's stores
+        under grad mode, whose outputs take part in autograd and whose backward applies
         the sparse optimizer (not traceable)."""
+        if not self._is_weighted and features.weights_or_none() is not None:  # ignored, as TorchRec's EBC does
+            features = KeyedJaggedTensor(keys=features.keys(), values=features.values(), offsets=features.offsets(),
+                                         stride=features.stride())
         keys = features.keys()
         pos = {k: i for i, k in enumerate(keys)}
         slots = self._slots()
@@ -403,7 +411,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         who = "IBPEmbeddingBagCollection"
         # On cuda the host's outputs move to the device (meta inputs give meta outputs).
         out = cuda.storage_device(self._device) if self._device.type == "cuda" else torch.device("cpu")
-        if torch.is_grad_enabled() and features.values().device.type != "meta":
+        if self._trainable and torch.is_grad_enabled() and features.values().device.type != "meta":
             jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
             values = training_lookup(self, jobs, b, out)
         else:
