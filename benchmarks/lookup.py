@@ -35,7 +35,9 @@ Systems, timed in the same run on the same tables and batches. Timings run on --
 system first runs the first batch once (its output checked against torch's embedding_bag:
 the warm-up), then the systems are timed interleaved, pass by pass (common.time_interleaved:
 --repeats rounds over all systems (default 5, quick 3), each pass over --batches distinct
-batches (default 2, quick 1); the median pass is reported):
+batches (default 2, quick 1); the median pass is reported). Large allocations come from a
+heap that stays mapped (common.steady_allocations): a batch's 54 MiB output was otherwise
+a fresh mapping, page-faulted at random, and FBGEMM's timings swung 3x with it:
 - "fbgemm TBE": FBGEMM SplitTableBatchedEmbeddingBagsCodegen, EmbeddingLocation.HOST /
   ComputeDevice.CPU, all tables in one TBE, forward(indices, offsets) (the kernel TorchRec's
   fused compute kernel runs on CPU). fp32 and fp16 weights; FBGEMM 1.8's CPU kernel has no
@@ -1038,7 +1040,8 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     params = {k: v for k, v in vars(args).items() if k not in ("no_json",)}
-    params.update(started_utc=stamp, machine=common.machine_info(), load_average_start=common.load_average(),
+    params.update(steady_allocations=common.steady_allocations(),
+                  started_utc=stamp, machine=common.machine_info(), load_average_start=common.load_average(),
                   zipnn_version=None if args.no_zipnn else zipnn_available(),
                   workloads_center=CENTER.name, headline_pair=f"{HEADLINE} vs {FBGEMM}",
                   ibp_variants=[f"W{w} K{k}" for w, k in IBP_VARIANTS],
