@@ -18,7 +18,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 _HEADER = _ROOT / "native" / "ibp.h"
 _LIBRARY = _ROOT / "native" / "build" / "libibp.so"
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 FORMAT_VERSION = 1
 
 

@@ -64,6 +64,16 @@ static const ibp_kernels *kernels(void)
 
 const ibp_kernels *ibp_active_kernels(void) { return kernels(); }
 
+uint64_t ibp_release_thread_buffers(void)
+{
+    uint64_t freed = 0;
+#pragma omp parallel num_threads(ibp_threads()) reduction(+ : freed)
+    for (int isa = IBP_ISA_GENERIC; isa <= IBP_ISA_AVX512; isa++) /* any set may have run (ibp_set_isa) */
+        if (cpu_has(isa))
+            freed += isa_kernels[isa]->release_thread_buffers();
+    return freed;
+}
+
 int ibp_isa(void)
 {
     kernels();

@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 1
-#define IBP_ABI_VERSION 4
+#define IBP_ABI_VERSION 5
 
 /* Return codes. */
 #define IBP_OK 0
@@ -74,6 +74,13 @@ const char *ibp_error_string(int code);
 /* Threads used by the parallel loops (default: all cores OpenMP sees). */
 void ibp_set_num_threads(int n);
 int ibp_get_num_threads(void);
+/* Lookups keep buffers with each thread that ran them (a cache of decoded rows, the
+ * deduplication scratch, decode plans: up to tens of MB a thread), so that the next
+ * call allocates and page-faults nothing. This frees them on the calling thread and
+ * on a team of ibp_get_num_threads() worker threads (OpenMP reuses that team for the
+ * next calls), and returns the bytes freed; the next lookups allocate them again.
+ * Call it between lookups, not during one. */
+uint64_t ibp_release_thread_buffers(void);
 /* Row-kernel instruction sets, best first chosen at load time. */
 #define IBP_ISA_GENERIC 0 /* portable C: extract/deposit by bit loops */
 #define IBP_ISA_V3 1      /* x86-64-v3: BMI2 pext/pdep */

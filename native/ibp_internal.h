@@ -40,6 +40,9 @@ typedef struct ibp_kernels {
     /* n elements of a float16 / bfloat16 row buffer to float32 (to_float) or back,
      * rounding to nearest even. */
     void (*convert)(int dtype, int to_float, const void *src, uint64_t n, void *dst);
+    /* Frees the calling thread's buffers (row cache, dedup scratch, decode plan);
+     * returns the bytes they held. */
+    uint64_t (*release_thread_buffers)(void);
 } ibp_kernels;
 
 extern const ibp_kernels ibp_kernels_generic;
