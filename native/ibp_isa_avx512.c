@@ -3,9 +3,9 @@
  *
  * Per step of 8 words: the header byte is the lane mask of participating words;
  * field lengths (vbits or 64) are prefix-summed across lanes to get each field's
- * bit offset (or, in a planned step, read from the plan: see step_layout); a 128-byte window of the bitstream sits in two registers and VPERMB
- * pulls each lane's 16 bytes out of it (two 8-byte halves), shifted into place by
- * the offset's low bits. The deposit (pdep has no vector form) is planned per
+ * bit offset (in a planned step: read from the plan, see step_layout); a 128-byte
+ * window of the bitstream sits in two registers and VPERMB pulls each lane's 16
+ * bytes out of it (two 8-byte halves), shifted into place by the offset's low bits. The deposit (pdep has no vector form) is planned per
  * table (VPMULTISHIFTQB, below); without a plan it inserts zeros at the mask's runs
  * of invariant bits, one run per iteration, in all lanes at once. The window reads
  * up to 128 bytes past a field; the payload's tail pad covers that. The decoders
@@ -48,7 +48,7 @@
  * a popcount, instead of a prefix sum over the lanes. */
 typedef struct step_layout {
     uint32_t total, extra_lanes; /* extra_lanes: the lanes with invariant bits */
-    uint8_t extra;               /* 0: the extras differ, no layout */
+    uint8_t extra;               /* 0: no layout (the extras differ, or no lane has any) */
 } step_layout;
 
 /* What the decoders read: one cluster's steps. */
