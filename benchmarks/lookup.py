@@ -50,6 +50,9 @@ a fresh mapping, page-faulted at random, and FBGEMM's timings swung 3x with it:
   bf16 too; ibp systems carry ibp_vs_torch_raw_throughput_ratio against it).
 - "ibp lookup W{64,32} K{1,4}": CompressedTable.lookup per feature (ids and bag offsets
   sliced ahead of time), outputs concatenated like the TBE's; paired with "fbgemm TBE".
+- "ibp lookup_many W64 K1": every feature in one native call writing its columns of one
+  output (ibp_embed.table.lookup_many: what the IBP collection and the DMP kernel run),
+  the like-for-like pair of the TBE's forward; paired with "fbgemm TBE".
 - "ibp EBC W64 K{1,4}": IBPEmbeddingBagCollection forward on the KeyedJaggedTensor;
   paired with "torchrec FusedEBC".
   A K4 variant that kept one cluster in every table is the K1 table: not timed twice.
@@ -91,6 +94,7 @@ import torch.nn.functional as F
 
 import ibp_embed
 from ibp_embed import _native, datasets
+from ibp_embed.table import lookup_many
 
 from . import common
 
@@ -115,6 +119,9 @@ def lookup_name(w, k):
 
 def ebc_name(w, k):
     return f"ibp EBC W{w} K{k}"
+
+
+BATCHED = "ibp lookup_many W64 K1"  # every feature in one native call, as the TBE's forward
 
 
 EBC_VARIANTS = ((64, 1), (64, 4))
@@ -546,10 +553,15 @@ def run_table_set(ts: TableSet, workloads, args, log) -> dict:
     def lookup_fn(tabs):
         return lambda b: torch.cat([tab.lookup(ids, off) for tab, (ids, off) in zip(tabs, b.features)], dim=1)
 
+    def lookup_many_fn(tabs):
+        return lambda b: lookup_many([(tab, ids, off, None, "sum") for tab, (ids, off) in zip(tabs, b.features)],
+                                     b.features[0][1].size - 1)
+
     for wb, k in IBP_VARIANTS:
         v = variants[f"W{wb} K{k}"]
         if v["same_as"] is None:
             systems[lookup_name(wb, k)] = lookup_fn(v["tables"])
+    systems[BATCHED] = lookup_many_fn(variants["W64 K1"]["tables"])
     for wb, k in EBC_VARIANTS:
         v = variants[f"W{wb} K{k}"]
         if v["same_as"] is None:
@@ -715,12 +727,13 @@ def report(results, params) -> str:
     # ---- throughput per table set on the center and uniform workloads
     L.append("### Throughput per table set: M lookups/s (ratio vs its FBGEMM pair)")
     L.append("")
-    L.append("ibp lookup = CompressedTable.lookup per feature, paired with fbgemm TBE (HOST); ibp EBC = "
-             "IBPEmbeddingBagCollection, paired with torchrec FusedEBC over the same TBE. `-`: FBGEMM has no "
-             "CPU bf16 kernel.")
+    L.append("ibp lookup = CompressedTable.lookup per feature, then torch.cat; ibp lookup_many = every feature in "
+             "one native call (ibp_embed.table.lookup_many, as the TBE's forward); both paired with fbgemm TBE "
+             "(HOST); ibp EBC = IBPEmbeddingBagCollection, paired with torchrec FusedEBC over the same TBE. `-`: "
+             "FBGEMM has no CPU bf16 kernel.")
     L.append("")
     sys_cols = [FBGEMM, TORCHREC, TORCH_RAW, "ibp lookup W64 K1", "ibp lookup W32 K1", "ibp lookup W64 K4",
-                "ibp EBC W64 K1"]
+                BATCHED, "ibp EBC W64 K1"]
     heads = ["table set", "workload"] + sys_cols + ["pooled out GB/s (fbgemm / ibp W64 K1)"]
     rows = []
     for r in results:
