@@ -355,6 +355,19 @@ def test_id_out_of_range(small):
         m(kjt_of(["a", "b"], [-1], [1, 0, 0, 0]))
 
 
+def test_id_out_of_range_while_training_changes_nothing(small):
+    """libibp refuses the id (the module does not range-check in Python): the error
+    names it, and no table row moves."""
+    from ibp_embed.optim import SGD
+
+    tables, _ = small
+    m = IBPEmbeddingBagCollection(tables, optimizer=SGD(lr=0.1))
+    before = m.state_dict()["embedding_bags.t.weight"].clone()
+    with pytest.raises(IndexError, match=r"feature 'a' of table 't': id 12 out of range"):
+        m(kjt_of(["a", "b"], [3, 12, 4], [2, 1, 0, 0])).values().sum().backward()
+    assert torch.equal(m.state_dict()["embedding_bags.t.weight"], before)
+
+
 def test_missing_and_unknown_keys(small):
     tables, m = small
     with pytest.raises(FeatureKeyError, match=r"lacks feature\(s\) \['b'\]"):

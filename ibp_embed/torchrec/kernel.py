@@ -179,8 +179,8 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
                                dtype=torch.float32, device="meta")
         out = cuda.storage_device(self._device) if self.on_cuda else torch.device("cpu")
         if training:
-            return training_lookup(self, jobs, b, out)
-        return run_lookup_jobs(jobs, b).to(out)
+            return training_lookup(self, jobs, b, "IBP kernel", out)
+        return run_lookup_jobs(jobs, b, "IBP kernel").to(out)
 
     def _device_forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         placed = self.device_tables()

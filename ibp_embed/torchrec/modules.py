@@ -413,7 +413,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         out = cuda.storage_device(self._device) if self._device.type == "cuda" else torch.device("cpu")
         if self._trainable and torch.is_grad_enabled() and features.values().device.type != "meta":
             jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
-            values = training_lookup(self, jobs, b, out)
+            values = training_lookup(self, jobs, b, who, out)
         else:
             values = pooled_lookup(features, slots, self._is_weighted, who, key_index)
             if self._device.type == "cuda":
