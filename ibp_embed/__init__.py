@@ -9,7 +9,8 @@ def release_thread_buffers() -> int:
     decoded rows, the deduplication scratch, decode plans: up to tens of MB a thread,
     kept so that the next call allocates and page-faults nothing); returns the bytes
     freed. For servers between bursts of traffic; the next lookups allocate them again.
-    Call it between lookups, not while one runs."""
+    It frees the buffers of the calling thread and of its native worker team: a
+    program that looks up from several threads calls it from each."""
     from . import _native
 
     return int(_native.lib.ibp_release_thread_buffers())

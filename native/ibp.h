@@ -77,9 +77,9 @@ int ibp_get_num_threads(void);
 /* Lookups keep buffers with each thread that ran them (a cache of decoded rows, the
  * deduplication scratch, decode plans: up to tens of MB a thread), so that the next
  * call allocates and page-faults nothing. This frees them on the calling thread and
- * on a team of ibp_get_num_threads() worker threads (OpenMP reuses that team for the
- * next calls), and returns the bytes freed; the next lookups allocate them again.
- * Call it between lookups, not during one. */
+ * the ibp_get_num_threads() workers of its OpenMP team (the team its lookups run on),
+ * and returns the bytes freed; the next lookups allocate them again. Each application
+ * thread that runs lookups has its own team: call it from each, between its lookups. */
 uint64_t ibp_release_thread_buffers(void);
 /* Row-kernel instruction sets, best first chosen at load time. */
 #define IBP_ISA_GENERIC 0 /* portable C: extract/deposit by bit loops */
