@@ -1,10 +1,10 @@
-"""Public API: bit-exact round trips, gather, pooled lookups, argument checks, sizes."""
+"""Public API: bit-exact round trips, gather, argument checks, sizes, clusters, decode plans
+(pooled lookups: test_lookup.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,51 +12,8 @@ import ibp_embed
 from ibp_embed import reference as ref
 from ibp_embed.table import CompressedTable
 
-WORD_BITS = (16, 32, 64)
-ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64,
-              torch.float64, torch.uint8, torch.bool, torch.int16, torch.int32)
-LOOKUP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def assert_bits_equal(got: torch.Tensor, want: torch.Tensor):
-    """Same dtype, shape and bytes (NaN payloads, signed zeros and all)."""
-    assert got.dtype == want.dtype
-    assert got.shape == want.shape
-    assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
-
-
-def from_bytes(raw: np.ndarray, dtype: torch.dtype, n: int, dim: int) -> torch.Tensor:
-    """uint8 [n, dim * itemsize] -> [n, dim] tensor of dtype (the same bits)."""
-    if n == 0:
-        return torch.empty((0, dim), dtype=dtype)
-    return torch.from_numpy(np.ascontiguousarray(raw)).view(dtype).reshape(n, dim)
-
-
-def to_bytes(w: torch.Tensor) -> np.ndarray:
-    """[n, dim] tensor -> its rows as uint8 [n, dim * itemsize]."""
-    return w.contiguous().view(torch.uint8).reshape(w.shape[0], w.shape[1] * w.element_size()).numpy()
-
-
-def random_bits(n: int, dim: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Uniformly random bit patterns (bool: random 0/1)."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, dim * dtype.itemsize), dtype=np.uint8)
-    if dtype == torch.bool:
-        raw &= 1
-    return from_bytes(raw, dtype, n, dim)
-
-
-def structured(n: int, dim: int, dtype: torch.dtype, seed: int = 0, noise_frac: float = 0.3) -> torch.Tensor:
-    """Rows sharing a base pattern, with a fraction of their bits random: many invariant bits."""
-    rng = np.random.default_rng(seed)
-    r = dim * dtype.itemsize
-    base = rng.integers(0, 256, size=r, dtype=np.uint8)
-    noise_mask = (rng.random((r, 8)) < noise_frac) @ (1 << np.arange(8))
-    noise = rng.integers(0, 256, size=(n, r), dtype=np.uint8) & noise_mask.astype(np.uint8)
-    raw = base ^ noise
-    if dtype == torch.bool:
-        raw &= 1
-    return from_bytes(raw, dtype, n, dim)
+from helpers import (ALL_DTYPES, WORD_BITS, assert_bits_equal, from_bytes, magnitude_clusters,
+                     random_bits, structured, to_bytes)
 
 
 def special_values(dtype: torch.dtype) -> torch.Tensor:
@@ -222,14 +179,6 @@ def test_incompressible_rows_stored_raw(dtype, word_bits):
     for i in np.flatnonzero(lengths == r):
         assert t._payload[int(starts[i]): int(starts[i]) + r].tobytes() == raw_rows[i].tobytes()
     assert (t.cluster_ids()[lengths == r] == -1).all()
-
-
-def magnitude_clusters(n=256, dim=16, seed=0, scales=(1e-6, 1e-2, 1e2, 1e6)) -> torch.Tensor:
-    """Rows from four groups of very different magnitudes: four exponent patterns."""
-    g = torch.Generator().manual_seed(seed)
-    scales = torch.tensor(scales)
-    group = torch.arange(n) % 4
-    return torch.randn(n, dim, generator=g) * scales[group][:, None]
 
 
 @pytest.mark.parametrize("word_bits", [None, *WORD_BITS])
@@ -445,153 +394,6 @@ def test_property_matches_reference(w, data):
     assert t._block_base.tolist() == want["block_base"].tolist()
 
 
-# ---------------------------------------------------------------- pooled lookup
-
-def make_bags(n_rows: int, n_bags: int, seed: int, max_bag: int = 6):
-    """TorchRec-style (indices, offsets[B + 1]) with empty bags and duplicates."""
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(0, max_bag + 1, n_bags)
-    sizes[::5] = 0  # empty bags
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    indices = rng.integers(0, n_rows, int(offsets[-1])).astype(np.int64)
-    return torch.from_numpy(indices), torch.from_numpy(offsets)
-
-
-def _atol(dec, indices, offsets, weights, mode) -> float:
-    """Rounding error bound of a pooled sum in another order: a few ulps of sum |w x|."""
-    mag = reference_bag(dec.float().abs(), indices, offsets,
-                        None if weights is None else weights.abs(), mode)
-    return 1e-6 * float(mag.max()) + 1e-30 if mag.numel() else 1e-30
-
-
-def reference_bag(dec: torch.Tensor, indices, offsets, weights, mode):
-    weight = dec.float()
-    if weights is None or mode == "sum":
-        return F.embedding_bag(indices, weight, offsets[:-1], mode=mode, per_sample_weights=weights)
-    # torch has no weighted mean: the weighted sum divided by the bag size.
-    s = F.embedding_bag(indices, weight, offsets[:-1], mode="sum", per_sample_weights=weights)
-    sizes = (offsets[1:] - offsets[:-1]).clamp(min=1).float()
-    return s / sizes[:, None]
-
-
-@pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("clusters", [1, 4])
-def test_lookup_matches_embedding_bag(dtype, mode, weighted, clusters):
-    w = magnitude_clusters(120, 12, seed=3, scales=(1e-3, 1e-1, 1e1, 1e3)).to(dtype)
-    t = ibp_embed.compress(w, clusters=clusters)
-    dec = t.decompress()
-    assert_bits_equal(dec, w)
-    indices, offsets = make_bags(120, 40, seed=4)  # 40 bags: the parallel path
-    g = torch.Generator().manual_seed(5)
-    weights = torch.rand(indices.numel(), generator=g) * 2 - 0.5 if weighted else None
-    got = t.lookup(indices, offsets, per_sample_weights=weights, mode=mode)
-    want = reference_bag(dec, indices, offsets, weights, mode)
-    assert got.dtype == torch.float32 and got.shape == (40, 12)
-    empty = (offsets[1:] == offsets[:-1])
-    assert empty.any() and (got[empty] == 0).all()
-    if dtype == torch.float32 and mode == "sum" and not weighted:
-        assert torch.equal(got, want)  # same additions in the same order
-    else:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=_atol(dec, indices, offsets, weights, mode))
-
-
-@pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
-def test_lookup_small_batch_and_input_types(dtype):
-    """Fewer bags than the parallel threshold; list / numpy / int32 inputs."""
-    w = torch.randn(30, 8, generator=torch.Generator().manual_seed(6)).to(dtype)
-    t = ibp_embed.compress(w)
-    indices = [3, 3, 29, 0, 7]
-    offsets = [0, 2, 2, 5]
-    want = F.embedding_bag(torch.tensor(indices), t.decompress().float(), torch.tensor(offsets[:-1]),
-                           mode="sum")
-    for idx, off in [(indices, offsets), (np.array(indices), np.array(offsets)),
-                     (torch.tensor(indices, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32))]:
-        torch.testing.assert_close(t.lookup(idx, off), want, rtol=1e-6, atol=1e-30)
-    # One bag, one row: the row itself, widened to fp32.
-    assert torch.equal(t.lookup([7], [0, 1]), t.decompress()[7:8].float())
-    # No bags at all.
-    assert t.lookup(torch.empty(0, dtype=torch.int64), [0]).shape == (0, 8)
-    # Only empty bags.
-    assert torch.equal(t.lookup(np.empty(0, np.int64), [0, 0, 0], mode="mean"), torch.zeros(2, 8))
-
-
-def test_lookup_special_values_propagate():
-    w = torch.ones(4, 3)
-    w[1, 0] = float("inf")
-    w[2, 1] = float("nan")
-    t = ibp_embed.compress(w)
-    got = t.lookup([0, 1, 2, 3], [0, 2, 4])
-    want = F.embedding_bag(torch.tensor([0, 1, 2, 3]), w, torch.tensor([0, 2]), mode="sum")
-    torch.testing.assert_close(got, want, equal_nan=True)
-
-
-@pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(n_rows=st.integers(1, 60), n_bags=st.integers(0, 30), seed=st.integers(0, 10**6),
-       weighted=st.booleans(), clusters=st.integers(1, 3))
-def test_property_lookup(dtype, mode, n_rows, n_bags, seed, weighted, clusters):
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n_rows, 6, generator=g) * 10 ** torch.randint(-3, 3, (n_rows, 1), generator=g)).to(dtype)
-    t = ibp_embed.compress(w, clusters=clusters)
-    indices, offsets = make_bags(n_rows, n_bags, seed)
-    weights = torch.randn(indices.numel(), generator=g) if weighted else None
-    got = t.lookup(indices, offsets, weights, mode)
-    want = reference_bag(t.decompress(), indices, offsets, weights, mode)
-    torch.testing.assert_close(got, want, rtol=1e-6,
-                               atol=_atol(t.decompress(), indices, offsets, weights, mode))
-
-
-# ---------------------------------------------------------------- bad lookups
-
-@pytest.fixture(scope="module")
-def table():
-    return ibp_embed.compress(structured(50, 4, torch.float32, seed=20))
-
-
-@pytest.mark.parametrize("indices", [[0, 50], [-1, 0], [0, 2**40], [-(2**63), 0]])
-def test_lookup_out_of_range(table, indices):
-    with pytest.raises(IndexError):
-        table.lookup(indices, [0, 1, 2])
-    with pytest.raises(IndexError):
-        table.lookup(torch.tensor(indices), torch.tensor([0, 2]), mode="mean")
-
-
-@pytest.mark.parametrize("offsets", [[1, 2, 3], [0, 2, 1, 3], [0, 1, 2], [0, 1, 4], [0, 3, 3, 2, 3],
-                                     [], [[0, 3]], [-1, 3]])
-def test_lookup_bad_offsets(table, offsets):
-    with pytest.raises(ValueError):
-        table.lookup([0, 1, 2], offsets)
-
-
-def test_lookup_bad_arguments(table):
-    with pytest.raises(TypeError):
-        table.lookup(torch.tensor([0.0, 1.0]), [0, 2])
-    with pytest.raises(TypeError):
-        table.lookup(np.array([0.5]), [0, 1])
-    with pytest.raises(TypeError):
-        table.lookup([0, 1], torch.tensor([0.0, 2.0]))
-    with pytest.raises(ValueError):
-        table.lookup([0, 1], [0, 2], per_sample_weights=[1.0])
-    with pytest.raises(ValueError):
-        table.lookup([0, 1], [0, 2], per_sample_weights=torch.ones(3))
-    with pytest.raises(ValueError):
-        table.lookup([0, 1], [0, 2], mode="max")
-    with pytest.raises(ValueError):
-        table.lookup([[0, 1]], [0, 2])
-
-
-@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.float64, torch.uint8, torch.bool,
-                                   torch.int32])
-def test_lookup_needs_a_float_table(dtype):
-    t = ibp_embed.compress(random_bits(10, 4, dtype))
-    with pytest.raises(TypeError):
-        t.lookup([0, 1], [0, 2])
-
-
 # ---------------------------------------------------------------- bad compress arguments
 
 @pytest.mark.parametrize("kwargs,exc", [
@@ -650,7 +452,8 @@ def _expected_nbytes(t: CompressedTable) -> int:
             + rel * (n + 1) + 2 * t.clusters * m * b)
 
 
-def test_masks_are_read_only(table):
+def test_masks_are_read_only():
+    table = ibp_embed.compress(structured(50, 4, torch.float32, seed=20))
     with pytest.raises(ValueError):
         table.masks[0, 0] = 1
     with pytest.raises(ValueError):
@@ -658,141 +461,9 @@ def test_masks_are_read_only(table):
     assert "CompressedTable" in repr(table)
 
 
-@pytest.mark.parametrize("n_rows,dim,n", [(20000, 8, 60000), (20000, 128, 60000), (20000, 128, 1500),
-                                          (3000, 100, 60000), (300, 40, 60000)])
-def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
-    """Lookups keep a per-thread cache of decoded rows (a slot per row for small
-    tables, hashed slots otherwise; large calls into large tables deduplicate
-    instead) and resolve ids in windows before pooling them: ids that evict each
-    other (more distinct rows than slots: 1500 ids get 1024 slots), hot repeats,
-    bags longer than a window, empty bags and row widths with a scalar tail must
-    all pool exactly."""
-    g = torch.Generator().manual_seed(11)
-    w = torch.randn(n_rows, dim, generator=g) * 0.01
-    t = ibp_embed.compress(w)
-    hot = torch.randint(0, n_rows, (64,), generator=g)
-    idx = torch.where(torch.rand(n, generator=g) < 0.5, hot[torch.randint(0, 64, (n,), generator=g)],
-                      torch.randint(0, n_rows, (n,), generator=g))
-    lengths = torch.randint(0, 60, (max(n // 30, 2),), generator=g)
-    lengths[::97] = 0
-    lengths[1] = 700  # longer than a window of ids
-    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
-    off[-1] = n
-    want = torch.nn.functional.embedding_bag(idx, w, off[:-1], mode="sum")
-    assert torch.equal(t.lookup(idx, off), want)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_lookup_deduplicated_path_pools_exactly(threads):
-    """A large call into a table with more rows than the per-thread cache has slots
-    (512 of these 8 KB rows) takes the exact deduplication path (each thread's
-    distinct rows decoded once into a scratch); its sums must be the cached path's,
-    bit for bit, with weights, MEAN, empty bags and a bad id reported."""
-    from ibp_embed._native import lib
-    from ibp_embed.datasets import zipf_ids
-
-    g = torch.Generator().manual_seed(21)
-    w = (torch.randn(6000, 2048, generator=g) * 0.05).to(torch.bfloat16).float()
-    t = ibp_embed.compress(w)
-    n = 40000
-    idx = zipf_ids(n, 6000, 1.05, seed=3)
-    lengths = torch.randint(0, 40, (2000,), generator=g)
-    lengths[::53] = 0
-    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
-    off[-1] = n
-    psw = torch.rand(n, generator=g)
-    before = lib.ibp_get_num_threads()
-    lib.ibp_set_num_threads(threads)
-    try:
-        assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w, off[:-1], mode="sum"))
-        # weighted sums are fused multiply-adds: compare with a bag at a time (the
-        # cached path: a few ids never overflow the cache)
-        got = t.lookup(idx, off, psw, mode="mean")
-        for b in range(0, 2000, 97):
-            lo, hi = int(off[b]), int(off[b + 1])
-            one = t.lookup(idx[lo:hi], torch.tensor([0, hi - lo]), psw[lo:hi], mode="mean")
-            assert torch.equal(got[b], one[0])
-        bad = idx.clone()
-        bad[n // 2] = 6000
-        with pytest.raises(IndexError):
-            t.lookup(bad, off)
-    finally:
-        lib.ibp_set_num_threads(before)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_lookup_is_identical_on_every_kernel_set(dtype, mode):
-    """Pooling rounds the same whatever the ISA (weighted sums use one fused multiply-add
-    per element everywhere), so results do not depend on the CPU."""
-    from ibp_embed._native import lib
-
-    g = torch.Generator().manual_seed(5)
-    w = (torch.randn(500, 24, generator=g) * 0.1).to(dtype)
-    t = ibp_embed.compress(w)
-    idx = torch.randint(0, 500, (300,), generator=g)
-    off = torch.arange(0, 301, 10)
-    psw = torch.rand(300, generator=g) * 3
-    before = lib.ibp_isa()
-    try:
-        outs = []
-        for isa in range(before + 1):
-            assert lib.ibp_set_isa(isa) == 0
-            outs.append((t.lookup(idx, off, psw, mode=mode), t.lookup(idx, off, mode=mode)))
-    finally:
-        lib.ibp_set_isa(before)
-    for weighted, plain in outs[1:]:
-        assert torch.equal(weighted, outs[0][0]) and torch.equal(plain, outs[0][1])
-
-
 def test_compress_empty_tensor_with_zero_strides():
     t = ibp_embed.compress(torch.from_numpy(np.zeros((0, 4), np.float32)))
     assert t.shape == (0, 4) and t.decompress().shape == (0, 4)
-
-
-def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
-    """ibp_lookup_many runs several tables' lookups in one call, each writing its
-    columns of one [B, sum of dims] output: every column block must equal that
-    table's own lookup bit for bit (dtypes, dims, weights, MEAN, empty bags, tables
-    small and large enough to deduplicate), and errors name the failing job."""
-    from ibp_embed.table import lookup_many
-
-    from ibp_embed.datasets import zipf_ids
-
-    g = torch.Generator().manual_seed(31)
-    b = 1200
-    specs = [(torch.float32, 50000, 24, "sum", True), (torch.float16, 40, 16, "mean", False),
-             (torch.bfloat16, 3000, 40, "mean", True), (torch.float32, 7, 3, "sum", False)]
-    jobs, want = [], []
-    for dtype, n_rows, dim, mode, weighted in specs:
-        t = ibp_embed.compress((torch.randn(n_rows, dim, generator=g) * 0.1).to(dtype))
-        lengths = torch.randint(0, 100, (b,), generator=g)
-        lengths[::41] = 0
-        off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).numpy()
-        ids = zipf_ids(int(off[-1]), n_rows, 1.05, seed=n_rows).numpy()  # skewed: the first one deduplicates
-        w = torch.rand(ids.size, generator=g).numpy() if weighted else None
-        jobs.append((t, ids, off, w, mode))
-        want.append(t.lookup(ids, off, w, mode=mode))
-    got = lookup_many(jobs, b)
-    assert got.shape == (b, sum(x.shape[1] for x in want))
-    assert torch.equal(got, torch.cat(want, dim=1))
-    for (t, ids, off, w, mode), x in zip(jobs, want):  # and the lookups themselves are right
-        dec, ids_t, off_t = t.decompress(), torch.from_numpy(ids), torch.from_numpy(off)
-        w_t = None if w is None else torch.from_numpy(w)
-        torch.testing.assert_close(x, reference_bag(dec, ids_t, off_t, w_t, mode), rtol=1e-6,
-                                   atol=_atol(dec, ids_t, off_t, w_t, mode))
-    assert lookup_many([], b).shape == (b, 0)
-    t, ids, off, w, mode = jobs[2]
-    bad = ids.copy()
-    bad[3] = t.shape[0]
-    with pytest.raises(IndexError, match="job 2"):
-        lookup_many(jobs[:2] + [(t, bad, off, w, mode)] + jobs[3:], b, lambda k: f"job {k}")
-    with pytest.raises(ValueError, match="bags"):
-        lookup_many([(t, ids, off[:-1], w, mode)], b)
-    with pytest.raises(ValueError, match="offsets end"):
-        lookup_many([(t, ids[:-1], off, None, mode)], b)
-    with pytest.raises(TypeError, match="int64"):
-        lookup_many([(t, ids.astype(np.int32), off, w, mode)], b)
 
 
 def minority_rows(n=1024, dim=32, every=10, seed=0) -> tuple[torch.Tensor, np.ndarray]:
