@@ -1,6 +1,6 @@
 """The `ibp-embed` command: compress, inspect and verify .ibp files.
 
-    ibp-embed compress IN OUT [--key K] [--word-bits {16,32,64}] [--clusters N] [--threshold T]
+    ibp-embed compress IN OUT [--key K] [--word-bits {16,32,64}] [--clusters N] [--threshold T] [--no-raw]
     ibp-embed inspect FILE [--json]
     ibp-embed verify FILE [--against IN [--key K]]
 
@@ -266,7 +266,7 @@ def cmd_compress(args) -> int:
     t1 = time.perf_counter()
     try:
         table = compress(tensor, word_bits=args.word_bits, clusters=args.clusters,
-                         threshold=args.threshold, progress=progress)
+                         threshold=args.threshold, progress=progress, allow_raw=not args.no_raw)
     except (TypeError, ValueError) as e:
         raise CLIError(f"{_where(args.input, key)}: {e}") from None
     t_compress = time.perf_counter() - t1
@@ -282,7 +282,8 @@ def cmd_compress(args) -> int:
     print(f"  shape        {table.shape[0]} x {table.shape[1]}")
     print(f"  dtype        {dtype_name(table.dtype)}")
     print(f"  word size    {table.word_bits} bits")
-    print(f"  clusters     {table.clusters}")
+    print(f"  clusters     {table.clusters}" + (" (stored raw: encoding would not shrink it)"
+                                                  if table.is_raw else ""))
     print(f"  raw          {table.raw_nbytes} bytes ({_human(table.raw_nbytes)})")
     print(f"  compressed   {table.nbytes} bytes ({_human(table.nbytes)}); file {file_bytes} bytes")
     print(f"  ratio        {table.ratio:.4f}")
@@ -320,12 +321,12 @@ def inspect_stats(path) -> dict:
     mask_bytes = 2 * table.clusters * table.masks.shape[1] * (w // 8)
     return {
         "path": str(path), "file_bytes": int(header["file_size"]),
-        "format_version": _native.FORMAT_VERSION,
+        "format_version": int(header["format_version"]),
         "shape": list(table.shape), "dtype": dtype_name(table.dtype), "word_bits": w,
         "clusters": table.clusters, "row_bytes": row_bytes,
         "nbytes": table.nbytes, "raw_nbytes": table.raw_nbytes, "ratio": table.ratio,
         "payload_bytes": int(header["payload_bytes"]),
-        "index_bytes": index_nbytes(n_rows, row_bytes),
+        "index_bytes": 0 if table.is_raw else index_nbytes(n_rows, row_bytes),
         "mask_bytes": mask_bytes,
         "raw_rows": raw_rows, "raw_share": raw_rows / n_rows if n_rows else 0.0,
         "mean_stored_bytes": float(lengths.mean()) if n_rows else None,
@@ -344,7 +345,7 @@ def cmd_inspect(args) -> int:
     print(f"  shape        {s['shape'][0]} x {s['shape'][1]} ({s['row_bytes']} bytes a row)")
     print(f"  dtype        {s['dtype']}")
     print(f"  word size    {s['word_bits']} bits")
-    print(f"  clusters     {s['clusters']}")
+    print(f"  clusters     {s['clusters']}" + (" (a raw table: rows as they are)" if s["clusters"] == 0 else ""))
     print(f"  raw          {s['raw_nbytes']} bytes ({_human(s['raw_nbytes'])})")
     print(f"  nbytes       {s['nbytes']} bytes ({_human(s['nbytes'])}): payload {s['payload_bytes']}, "
           f"index {s['index_bytes']}, masks {s['mask_bytes']}, tail pad "
@@ -467,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most masks to use, 1..256 (default 1)")
     c.add_argument("--threshold", type=_threshold,
                    help="fixed invariance threshold in (0.5, 1] (default: sweep)")
+    c.add_argument("--no-raw", action="store_true",
+                   help="always encode, even where the masks, index and tail pad then make the table "
+                        "larger than its rows (default: such a table is stored raw)")
     c.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compress)
 

@@ -13,6 +13,10 @@ small tables also try clusters seeded at magnitude quantiles), then Lloyd-style
 rounds alternate between assigning each row to the cluster that stores it
 smallest and refitting each cluster's masks to its members. The result is kept
 only if it is smaller than one mask.
+
+A table whose encoding (with its masks, offsets index and tail pad) would not be
+smaller than its rows is stored raw instead (format version 2), so compressing
+never makes a table larger.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ CHUNK_ROWS = 1 << 20  # rows per native call while encoding (progress granularit
 
 def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
              threshold: float | None = None, sample_rows: int = SAMPLE_ROWS, seed: int = 0,
-             progress: bool | None = None) -> CompressedTable:
+             progress: bool | None = None, allow_raw: bool = True) -> CompressedTable:
     """Compress a 2-D tensor or array (any 1/2/4/8-byte dtype) into a CompressedTable.
 
     word_bits: 16, 32 or 64; None picks the smallest encoding, preferring a wider
@@ -51,6 +55,8 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
     threshold: fix the invariance threshold (0.5 < t <= 1) instead of sweeping.
     sample_rows: rows sampled to build masks on large tables; every row is encoded exactly.
     progress: show progress bars (default: for tables over a million rows).
+    allow_raw: store the table raw (CompressedTable.is_raw) when encoding it would not
+        make it smaller, so that it never grows; False always encodes.
     """
     rows, dtype, dim = as_rows(weights)
     n_rows, row_bytes = rows.shape
@@ -84,7 +90,10 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
                key=lambda b: b.word_bits)
     if clusters > 1:
         book = _lloyd(sample, book, int(clusters), thresholds, rng, n_rows)
-    return _encode_table(rows, dtype, dim, book, progress)
+    table = _encode_table(rows, dtype, dim, book, progress)
+    if allow_raw and table.nbytes >= n_rows * row_bytes:  # masks, index and pad outweigh the savings
+        return CompressedTable.raw(rows, dtype, dim, book.word_bits)
+    return table
 
 
 class _Codebook:

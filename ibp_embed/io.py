@@ -1,7 +1,8 @@
 """The .ibp file: a fixed prefix, a JSON header and checksummed, aligned sections.
 
     bytes 0-7    magic b"\\x89IBP\\r\\n\\x1a\\n"
-    bytes 8-23   u32 format version, u32 header length, u32 header CRC-32C, u32 zero
+    bytes 8-23   u32 format version (1, or 2 for a raw table), u32 header length,
+                 u32 header CRC-32C, u32 zero
     then         the JSON header (shape, dtype, word size, clusters, section table)
     then         sections at 64-byte aligned offsets: masks, bitvals, block_base, rel, payload
 
@@ -77,7 +78,9 @@ def save(table, path) -> None:
             s["offset"] += shift
         body = json.dumps(header, sort_keys=True).encode()
         data_start = data_start2
-    prefix = _PREFIX.pack(MAGIC, _native.FORMAT_VERSION, len(body), crc32c(body), 0)
+    # the oldest version that holds the table, so older readers open what they can
+    version = 2 if table.is_raw else 1
+    prefix = _PREFIX.pack(MAGIC, version, len(body), crc32c(body), 0)
 
     with atomic_file(path) as f:
         f.write(prefix + body)
@@ -90,6 +93,7 @@ def save(table, path) -> None:
                 for lo in range(0, raw.size, _WRITE_CHUNK):
                     f.write(memoryview(raw[lo: lo + _WRITE_CHUNK]))
                     bar.update(min(_WRITE_CHUNK, raw.size - lo))
+        f.truncate(sections[-1]["offset"] + sections[-1]["length"])  # an empty last section still ends in the file
 
 
 def read_sections(path, mmap: bool = True, verify: bool = True):
@@ -119,7 +123,8 @@ def read_header(path) -> dict:
     """The JSON header of an .ibp file, after checking magic, version, checksum and that
     the section table fits the table it describes and the file (see docs/format.md).
 
-    The returned dict also holds "file_size". Raises FormatError for anything else.
+    The returned dict also holds "file_size" and "format_version" (the prefix's). Raises
+    FormatError for anything else.
     """
     path = Path(path)
     try:
@@ -134,9 +139,9 @@ def read_header(path) -> dict:
                 raise FormatError(f"{path}: truncated: {len(prefix)} bytes, shorter than the "
                                   f"{_PREFIX.size}-byte file prefix")
             _, version, header_len, header_crc, reserved = _PREFIX.unpack(prefix)
-            if version != _native.FORMAT_VERSION:
-                raise FormatError(f"{path}: format version {version}; this ibp_embed reads version "
-                                  f"{_native.FORMAT_VERSION}")
+            if not 1 <= version <= _native.FORMAT_VERSION:
+                raise FormatError(f"{path}: format version {version}; this ibp_embed reads versions "
+                                  f"1 to {_native.FORMAT_VERSION}")
             if reserved != 0:
                 raise FormatError(f"{path}: the reserved prefix field is {reserved:#x}, not 0 "
                                   f"(corrupt file)")
@@ -154,12 +159,13 @@ def read_header(path) -> dict:
         raise FormatError(f"{path}: header checksum mismatch (corrupt file)")
     try:
         header = json.loads(body)
-        _check_header(header, size, _PREFIX.size + header_len)
+        _check_header(header, size, _PREFIX.size + header_len, version)
     except FormatError as e:
         raise FormatError(f"{path}: {e}") from None
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
         raise FormatError(f"{path}: malformed header: {type(e).__name__}: {e}") from None
     header["file_size"] = size
+    header["format_version"] = version
     return header
 
 
@@ -170,7 +176,7 @@ def _int(value, what: str) -> int:
     return value
 
 
-def _check_header(h: dict, file_size: int, header_end: int) -> None:
+def _check_header(h: dict, file_size: int, header_end: int, version: int) -> None:
     if not isinstance(h, dict):
         raise FormatError(f"malformed header: a JSON {type(h).__name__}, not an object")
     if h.get("format") != "ibp_embed table":
@@ -183,20 +189,25 @@ def _check_header(h: dict, file_size: int, header_end: int) -> None:
         raise FormatError(f"malformed header: dtype {h['dtype']!r}")
     dtype = dtype_from_name(h["dtype"])
     w, k = _int(h["word_bits"], "word_bits"), _int(h["clusters"], "clusters")
-    if n < 0 or n >= 1 << 62 or d < 1 or w not in (16, 32, 64) or not 1 <= k <= 256:
-        raise FormatError(f"bad table description: shape {h['shape']}, word_bits {w}, clusters {k}")
+    if n < 0 or n >= 1 << 62 or d < 1 or w not in (16, 32, 64) or not (k == 0 and version >= 2 or 1 <= k <= 256):
+        raise FormatError(f"bad table description: shape {h['shape']}, word_bits {w}, clusters {k} "
+                          f"(format version {version})")
     row_bytes = d * dtype.itemsize
     rel_bytes = lib.ibp_rel_bytes(row_bytes) if row_bytes < 1 << 32 else 0
     if rel_bytes == 0:
         raise FormatError(f"bad table description: rows of {row_bytes} bytes are too large")
     m = -(-row_bytes // (w // 8))
     pb = _int(h["payload_bytes"], "payload_bytes")
-    if pb < 0 or pb > n * row_bytes:
-        raise FormatError(f"bad table description: {pb} payload bytes for {n} rows of {row_bytes}")
-    expect = {
-        "masks": k * m * w // 8, "bitvals": k * m * w // 8, "block_base": 8 * (n // 64 + 1),
-        "rel": rel_bytes * (n + 1), "payload": pb + lib.ibp_tail_pad(row_bytes, w),
-    }
+    if pb < 0 or pb > n * row_bytes or (k == 0 and pb != n * row_bytes):
+        raise FormatError(f"bad table description: {pb} payload bytes for {n} rows of {row_bytes}"
+                          + (" stored raw" if k == 0 else ""))
+    if k == 0:  # a raw table: its rows, nothing else
+        expect = {"masks": 0, "bitvals": 0, "block_base": 0, "rel": 0, "payload": pb}
+    else:
+        expect = {
+            "masks": k * m * w // 8, "bitvals": k * m * w // 8, "block_base": 8 * (n // 64 + 1),
+            "rel": rel_bytes * (n + 1), "payload": pb + lib.ibp_tail_pad(row_bytes, w),
+        }
     sections = h["sections"]
     if not isinstance(sections, list) or not all(isinstance(s, dict) for s in sections) \
             or [s.get("name") for s in sections] != list(_SECTIONS):

@@ -87,7 +87,7 @@ def _c_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int):
     c.cb.bitvals = ffi.cast("const uint64_t *", bitvals.data_ptr())
     c.cb.vbits = _native.ptr(vbits, "const uint8_t *")
     c.n_rows, c.rel_bytes = n, rel.element_size()
-    c.block_base = ffi.cast("const uint64_t *", block_base.data_ptr())
+    c.block_base = ffi.cast("const uint64_t *", block_base.data_ptr())  # NULL-like when raw: unread
     c.rel = ffi.cast("const void *", rel.data_ptr())
     c.payload = ffi.cast("const uint8_t *", payload.data_ptr())
     c.payload_bytes = payload_bytes
@@ -105,11 +105,13 @@ def _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int,
     if w not in (16, 32, 64) or n < 0 or d < 1:
         raise ValueError(f"{what}: bad table description {meta}")
     m = -(-row_bytes // (w // 8))
-    ok = (masks.dim() == 2 and masks.shape[1] == m and 1 <= masks.shape[0] <= 256 and bitvals.shape == masks.shape
+    raw = masks.dim() == 2 and masks.shape[0] == 0  # rows at i * R, no index, no tail pad
+    index = ((0,), (0,)) if raw else ((n // 64 + 1,), (n + 1,))
+    ok = (masks.dim() == 2 and masks.shape[1] == m and masks.shape[0] <= 256 and bitvals.shape == masks.shape
           and masks.dtype == bitvals.dtype == block_base.dtype == torch.int64 and payload.dtype == torch.uint8
-          and block_base.shape == (n // 64 + 1,) and rel.shape == (n + 1,)
+          and (tuple(block_base.shape), tuple(rel.shape)) == index and (not raw or payload_bytes == n * row_bytes)
           and rel.element_size() == lib.ibp_rel_bytes(row_bytes) and rel.dtype in (torch.int16, torch.int32)
-          and payload.dim() == 1 and payload.numel() >= payload_bytes + lib.ibp_tail_pad(row_bytes, w)
+          and payload.dim() == 1 and payload.numel() >= payload_bytes + (0 if raw else lib.ibp_tail_pad(row_bytes, w))
           and all(x.device.type == "cpu" and x.is_contiguous() for x in (masks, bitvals, block_base, rel, payload)))
     if not ok:
         raise ValueError(f"{what}: the table tensors do not fit the description {meta}")

@@ -1,4 +1,4 @@
-"""A slow, obviously-right reference of the IBP format (docs/format.md, version 1).
+"""A slow, obviously-right reference of the IBP format (docs/format.md, version 2).
 
 Plain Python integers and bit loops, no tricks: the tests hold libibp against this
 byte for byte. Section names below refer to docs/format.md. Nothing here is fast;
@@ -105,8 +105,32 @@ def encode_table(rows: np.ndarray, word_bits: int, masks, bitvals) -> dict:
             "lengths": np.array(lengths, dtype=np.int64), "clusters": np.array(clusters, np.int64)}
 
 
-def row_starts(block_base, rel, n_rows: int) -> list[int]:
-    """start(i) = block_base[i >> 6] + rel[i] for 0 <= i <= N ("Payload and offsets index")."""
+def table_nbytes(payload_bytes: int, n_rows: int, row_bytes: int, word_bits: int, n_clusters: int) -> int:
+    """nbytes of a table ("Size"): a raw table (K = 0) is its rows, an encoded one adds
+    its tail pad, offsets index and masks."""
+    if n_clusters == 0:
+        return n_rows * row_bytes
+    index = 8 * (n_rows // 64 + 1) + np.dtype(rel_dtype(row_bytes)).itemsize * (n_rows + 1)
+    masks = 2 * n_clusters * n_words(row_bytes, word_bits) * (word_bits // 8)
+    return payload_bytes + tail_pad(row_bytes, word_bits) + index + masks
+
+
+def store_table(rows: np.ndarray, word_bits: int, masks, bitvals) -> dict:
+    """encode_table's result, or the raw table ("Raw tables": clusters 0, payload = the
+    rows, no index) when the encoded table's nbytes would be at least N * R."""
+    n, r = rows.shape
+    enc = encode_table(rows, word_bits, masks, bitvals)
+    if table_nbytes(len(enc["payload"]), n, r, word_bits, len(masks)) < n * r:
+        return dict(enc, n_clusters=len(masks))
+    return {"payload": rows.tobytes(), "block_base": np.zeros(0, np.uint64), "rel": np.zeros(0, rel_dtype(r)),
+            "lengths": np.full(n, r, np.int64), "clusters": np.full(n, -1, np.int64), "n_clusters": 0}
+
+
+def row_starts(block_base, rel, n_rows: int, row_bytes: int | None = None) -> list[int]:
+    """start(i) = block_base[i >> 6] + rel[i] for 0 <= i <= N ("Payload and offsets index");
+    i * R in a raw table (pass row_bytes)."""
+    if row_bytes is not None:
+        return [i * row_bytes for i in range(n_rows + 1)]
     return [int(block_base[i >> 6]) + int(rel[i]) for i in range(n_rows + 1)]
 
 
@@ -141,8 +165,8 @@ def decode_row(stored: bytes, row_bytes: int, word_bits: int, masks, bitvals) ->
 
 def decode_table(payload: bytes, block_base, rel, n_rows: int, row_bytes: int, word_bits: int,
                  masks, bitvals) -> np.ndarray:
-    """All rows of a table as uint8 [N, R]."""
-    s = row_starts(block_base, rel, n_rows)
+    """All rows of a table as uint8 [N, R] (no masks: a raw table)."""
+    s = row_starts(block_base, rel, n_rows, row_bytes if len(masks) == 0 else None)
     out = np.zeros((n_rows, row_bytes), dtype=np.uint8)
     for i in range(n_rows):
         stored = bytes(payload[s[i]:s[i + 1]])

@@ -46,7 +46,7 @@ class UpdatableTable(TableReads):
         self._repack_drift = repack_drift
         self._write_lock = threading.Lock()
         self._shape, self._dtype, self._row_bytes = table.shape, table.dtype, table._row_bytes
-        self._codec_options = dict(codec_options if codec_options is not None else {"clusters": table.clusters})
+        self._codec_options = dict(codec_options if codec_options is not None else {"clusters": max(1, table.clusters)})
         self._codec_options.pop("progress", None)
         out = ffi.new("ibp_store **")
         _native.check(lib.ibp_store_create(table._c, out), "UpdatableTable")
@@ -105,8 +105,11 @@ class UpdatableTable(TableReads):
     @property
     def packed_nbytes(self) -> int:
         """nbytes of the CompressedTable that to_table() would build, without building it."""
-        return int(self.live_bytes + lib.ibp_tail_pad(self._row_bytes, self.word_bits)
-                   + index_nbytes(self._shape[0], self._row_bytes) + self._book.metadata_bytes())
+        if self._book.clusters == 0:
+            return self.raw_nbytes
+        return min(self.raw_nbytes, int(self.live_bytes + lib.ibp_tail_pad(self._row_bytes, self.word_bits)
+                                        + index_nbytes(self._shape[0], self._row_bytes)
+                                        + self._book.metadata_bytes()))
 
     def __repr__(self) -> str:
         i = self.info()
@@ -221,10 +224,17 @@ class UpdatableTable(TableReads):
             _native.check(lib.ibp_store_export(self._store, _native.ptr(offsets, "uint64_t *"),
                                                _native.ptr(payload, "uint8_t *"), payload.size), "export")
             book = self._book
+        if book.clusters == 0:  # every row raw, back to back
+            return CompressedTable.raw(payload[: n * self._row_bytes].reshape(n, self._row_bytes),
+                                       self._dtype, self._shape[1], book.word_bits)
         block_base, rel = split_offsets(offsets, self._row_bytes)
-        return CompressedTable(shape=self._shape, dtype=self._dtype, word_bits=book.word_bits,
-                               masks=book.masks, bitvals=book.bitvals, block_base=block_base, rel=rel,
-                               payload=payload, payload_bytes=int(offsets[-1]), validate=False)
+        table = CompressedTable(shape=self._shape, dtype=self._dtype, word_bits=book.word_bits,
+                                masks=book.masks, bitvals=book.bitvals, block_base=block_base, rel=rel,
+                                payload=payload, payload_bytes=int(offsets[-1]), validate=False)
+        if table.nbytes >= table.raw_nbytes:  # rows that training moved off the masks
+            return CompressedTable.raw(as_rows(table.decompress())[0], self._dtype, self._shape[1],
+                                       book.word_bits)
+        return table
 
     def save(self, path) -> None:
         self.to_table().save(path)

@@ -176,15 +176,19 @@ class CompressedTable(TableReads):
         if masks.ndim != 2 or masks.shape[1] != n_words or bitvals.shape != masks.shape:
             raise FormatError(f"masks of shape {masks.shape} / {bitvals.shape} do not fit "
                               f"{n_words} words per row")
-        if not 1 <= masks.shape[0] <= 256:
-            raise FormatError(f"{masks.shape[0]} clusters; a table has 1 to 256")
+        if not 0 <= masks.shape[0] <= 256:
+            raise FormatError(f"{masks.shape[0]} clusters; a table has 1 to 256 (0: raw)")
         rel_bytes = int(lib.ibp_rel_bytes(row_bytes))
         if rel_bytes == 0:
             raise FormatError(f"rows of {row_bytes} bytes are too large")
-        if block_base.shape != (n_rows // 64 + 1,) or rel.shape != (n_rows + 1,) \
-                or rel.dtype.itemsize != rel_bytes:
+        raw = masks.shape[0] == 0  # rows stored as they are: no index, no tail pad
+        index_shape = ((0,), (0,)) if raw else ((n_rows // 64 + 1,), (n_rows + 1,))
+        if (block_base.shape, rel.shape) != index_shape or rel.dtype.itemsize != rel_bytes:
             raise FormatError("the offsets index does not match the table's shape")
-        if payload.shape[0] < payload_bytes + lib.ibp_tail_pad(row_bytes, self._word_bits):
+        if raw and payload_bytes != n_rows * row_bytes:
+            raise FormatError(f"a raw table of {n_rows} rows of {row_bytes} bytes has "
+                              f"{n_rows * row_bytes} payload bytes, not {payload_bytes}")
+        if payload.shape[0] < payload_bytes + (0 if raw else lib.ibp_tail_pad(row_bytes, self._word_bits)):
             raise FormatError("the payload is shorter than its rows and tail padding")
         self._masks, self._bitvals = masks, bitvals
         self._vbits = (self._word_bits - np.bitwise_count(masks)).astype(np.uint8)
@@ -201,9 +205,9 @@ class CompressedTable(TableReads):
         cb.cb.vbits = _native.ptr(self._vbits, "const uint8_t *")
         cb.n_rows = n_rows
         cb.rel_bytes = rel_bytes
-        cb.block_base = _native.ptr(block_base, "const uint64_t *")
-        cb.rel = _native.ptr(rel, "const void *")
-        cb.payload = _native.ptr(payload, "const uint8_t *")
+        cb.block_base = ffi.NULL if raw else _native.ptr(block_base, "const uint64_t *")
+        cb.rel = ffi.NULL if raw else _native.ptr(rel, "const void *")
+        cb.payload = _native.ptr(payload, "const uint8_t *") if payload.size else ffi.NULL
         cb.payload_bytes = self._payload_bytes
         self._c = cb
         if validate:
@@ -226,11 +230,32 @@ class CompressedTable(TableReads):
 
     @property
     def clusters(self) -> int:
+        """Masks in the codebook; 0 for a raw table (see `is_raw`)."""
         return int(self._masks.shape[0])
 
     @property
+    def is_raw(self) -> bool:
+        """Whether every row is stored as it is, with no masks, index or tail pad
+        (docs/format.md, version 2): compress() stores a table so where encoding it
+        would take more bytes, so a table never grows."""
+        return self._masks.shape[0] == 0
+
+    @classmethod
+    def raw(cls, rows: np.ndarray, dtype: torch.dtype, dim: int, word_bits: int = 64) -> "CompressedTable":
+        """A raw table of `rows` ([N, R] uint8, copied): nbytes == N * R."""
+        n_rows, row_bytes = rows.shape
+        n_words = -(-row_bytes // (word_bits // 8))
+        rel_dtype = np.uint16 if lib.ibp_rel_bytes(row_bytes) == 2 else np.uint32
+        return cls(shape=(n_rows, dim), dtype=dtype, word_bits=word_bits,
+                   masks=np.zeros((0, n_words), np.uint64), bitvals=np.zeros((0, n_words), np.uint64),
+                   block_base=np.zeros(0, np.uint64), rel=np.zeros(0, rel_dtype),
+                   payload=np.array(rows, dtype=np.uint8, order="C").reshape(-1),
+                   payload_bytes=n_rows * row_bytes, validate=False)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes needed to decode: payload, tail pad, offsets index and masks (W-bit words)."""
+        """Bytes needed to decode: payload, tail pad, offsets index and masks (W-bit words);
+        a raw table's are its rows (N * R)."""
         mask_bytes = 2 * self._masks.size * (self._word_bits // 8)
         return int(self._payload.nbytes + self._block_base.nbytes + self._rel.nbytes + mask_bytes)
 
@@ -249,6 +274,8 @@ class CompressedTable(TableReads):
         return np.diff(starts)
 
     def _row_starts(self) -> np.ndarray:
+        if self.is_raw:
+            return np.arange(self._shape[0] + 1, dtype=np.uint64) * np.uint64(self._row_bytes)
         base = np.repeat(self._block_base, 64)[: self._shape[0] + 1]
         return base + self._rel.astype(np.uint64)
 
@@ -289,11 +316,12 @@ def load(path, mmap: bool = True, verify: bool = True) -> CompressedTable:
     w, k = h["word_bits"], h["clusters"]
     rel_dtype = np.uint16 if lib.ibp_rel_bytes(d * dtype.itemsize) == 2 else np.uint32
     wd = {16: np.uint16, 32: np.uint32, 64: np.uint64}[w]
+    m = -(-d * dtype.itemsize // (w // 8))
     try:
         return CompressedTable(
             shape=(n, d), dtype=dtype, word_bits=w,
-            masks=views["masks"].view(wd).reshape(k, -1).astype(np.uint64),
-            bitvals=views["bitvals"].view(wd).reshape(k, -1).astype(np.uint64),
+            masks=views["masks"].view(wd).reshape(k, m).astype(np.uint64),
+            bitvals=views["bitvals"].view(wd).reshape(k, m).astype(np.uint64),
             block_base=views["block_base"].view(np.uint64), rel=views["rel"].view(rel_dtype),
             payload=views["payload"], payload_bytes=h["payload_bytes"], validate=True)
     except FormatError as e:

@@ -168,14 +168,14 @@ static int check_shape(uint32_t row_bytes, uint32_t word_bits)
 
 static int check_codebook(const ibp_codebook *cb)
 {
-    if (!cb || !cb->masks || !cb->bitvals || !cb->vbits)
-        return IBP_E_ARG;
+    if (!cb || (cb->n_clusters && (!cb->masks || !cb->bitvals || !cb->vbits)))
+        return IBP_E_ARG; /* K = 0 (raw) reads no masks */
     if (check_shape(cb->row_bytes, cb->word_bits) != IBP_OK)
         return IBP_E_ARG;
     uint32_t B = cb->word_bits / 8;
     if (cb->n_words != (cb->row_bytes + B - 1) / B)
         return IBP_E_ARG;
-    if (cb->n_clusters < 1 || cb->n_clusters > 256)
+    if (cb->n_clusters > 256)
         return IBP_E_ARG;
     uint64_t wmask = ibp_low_bits(cb->word_bits);
     for (uint64_t q = 0; q < (uint64_t)cb->n_clusters * cb->n_words; q++) {
@@ -341,14 +341,18 @@ int ibp_validate(const ibp_table *t, uint64_t *bad_row)
     int rc = check_codebook(&t->cb);
     if (rc != IBP_OK)
         return rc;
-    if (!t->block_base || !t->rel || (t->payload_bytes && !t->payload))
+    const uint32_t R = t->cb.row_bytes, K = t->cb.n_clusters;
+    if (t->block_len) /* store-mode views are built by ibp_store.c, never from outside */
+        return IBP_E_ARG;
+    if (t->payload_bytes && !t->payload)
+        return IBP_E_ARG;
+    if (K == 0) /* raw: the rows back to back, nothing else */
+        return t->n_rows <= UINT64_MAX / R && t->payload_bytes == t->n_rows * R ? IBP_OK : IBP_E_CORRUPT;
+    if (!t->block_base || !t->rel)
         return IBP_E_ARG;
     if (t->rel_bytes != ibp_rel_bytes(t->cb.row_bytes))
         return IBP_E_CORRUPT;
-    const uint32_t R = t->cb.row_bytes, K = t->cb.n_clusters;
     const uint32_t hdr = (K > 1) + (t->cb.n_words + 7) / 8;
-    if (t->block_len) /* store-mode views are built by ibp_store.c, never from outside */
-        return IBP_E_ARG;
     if (ibp_row_start(t, 0) != 0 || ibp_row_start(t, t->n_rows) != t->payload_bytes)
         return IBP_E_CORRUPT;
     /* Lengths fit the payload and are either raw (== R) or at least a header;

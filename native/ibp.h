@@ -16,8 +16,8 @@ extern "C" {
 #endif
 
 /* CFFI_BEGIN */
-#define IBP_FORMAT_VERSION 1
-#define IBP_ABI_VERSION 5
+#define IBP_FORMAT_VERSION 2
+#define IBP_ABI_VERSION 6
 
 /* Return codes. */
 #define IBP_OK 0
@@ -41,13 +41,17 @@ typedef struct ibp_codebook {
     uint32_t row_bytes;      /* R: bytes of one raw row */
     uint32_t word_bits;      /* W: 16, 32 or 64 */
     uint32_t n_words;        /* M = ceil(R / (W/8)) */
-    uint32_t n_clusters;     /* K: 1..256 */
+    uint32_t n_clusters;     /* K: 1..256, or 0: a raw table (below); masks may then be NULL */
     const uint64_t *masks;   /* [K][M]: 1 = invariant bit position */
     const uint64_t *bitvals; /* [K][M]: values of invariant bits (subset of mask) */
     const uint8_t *vbits;    /* [K][M]: W - popcount(mask), derived */
 } ibp_codebook;
 
-/* A compressed table: a codebook, an offsets index and the row payload. */
+/* A compressed table: a codebook, an offsets index and the row payload.
+ * A raw table (K = 0, format version 2) stores every row raw: row i is the R bytes
+ * at payload + i * R, payload_bytes = n_rows * R, with no index (block_base and rel
+ * are not read and may be NULL) and no tail pad. compress() makes one where the
+ * masks, index and tail pad would outweigh what encoding saves. */
 typedef struct ibp_table {
     ibp_codebook cb;
     uint64_t n_rows;
@@ -55,7 +59,7 @@ typedef struct ibp_table {
     uint32_t reserved;
     const uint64_t *block_base;  /* [(n_rows >> 6) + 1] */
     const void *rel;             /* [n_rows + 1] of uint16 or uint32 */
-    const uint8_t *payload;      /* payload_bytes, then at least ibp_tail_pad() readable bytes */
+    const uint8_t *payload;      /* payload_bytes, then (K >= 1) at least ibp_tail_pad() readable bytes */
     uint64_t payload_bytes;
     /* Store mode (an updatable table, see ibp_store_*): when block_len is not NULL,
      * rows form blocks of 2^block_shift rows, each block anywhere in the payload.

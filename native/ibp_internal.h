@@ -53,9 +53,17 @@ int ibp_threads(void);
 /* The row kernels of the instruction set in use (ibp.c). */
 const ibp_kernels *ibp_active_kernels(void);
 
+/* A packed table whose rows are all raw, at i * R, with no index (K = 0). */
+static inline int ibp_raw_layout(const ibp_table *t)
+{
+    return t->cb.n_clusters == 0 && !t->block_len;
+}
+
 /* Start of row i in the payload of a packed table (i may be n_rows: its end). */
 static inline uint64_t ibp_row_start(const ibp_table *t, uint64_t i)
 {
+    if (t->cb.n_clusters == 0)
+        return i * t->cb.row_bytes;
     uint64_t rel = t->rel_bytes == 2 ? ((const uint16_t *)t->rel)[i]
                                      : ((const uint32_t *)t->rel)[i];
     return t->block_base[i / IBP_BLOCK_ROWS] + rel;
@@ -64,7 +72,7 @@ static inline uint64_t ibp_row_start(const ibp_table *t, uint64_t i)
 /* Where row i is stored and how long it is, in either layout. */
 static inline void ibp_row_span(const ibp_table *t, uint64_t i, uint64_t *start, uint64_t *len)
 {
-    if (t->block_len) {
+    if (t->block_len) { /* a store's view (any K) */
         const uint16_t *rel = (const uint16_t *)t->rel;
         uint64_t b = i >> t->block_shift, next = i + 1;
         uint64_t end = (next >> t->block_shift) != b || next == t->n_rows ? t->block_len[b] : rel[next];

@@ -164,7 +164,7 @@ static const decode_plan *plan_for(const ibp_table *t)
     decode_plan *p = &tl_plan;
     const uint32_t W = cb->word_bits, M = cb->n_words, K = cb->n_clusters;
     const size_t words = (size_t)K * M;
-    if (K > PLAN_MAX_CLUSTERS)
+    if (K == 0 || K > PLAN_MAX_CLUSTERS) /* K = 0: raw rows, nothing to plan */
         return NULL;
     if (p->word_bits == W && p->n_words == M && p->row_bytes == cb->row_bytes && p->clusters == K &&
         !memcmp(p->masks, cb->masks, words * 8) && !memcmp(p->bitvals, cb->bitvals, words * 8))

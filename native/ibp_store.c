@@ -88,9 +88,9 @@ static int store_build(store *s, const ibp_table *t)
     memset(s, 0, sizeof(*s));
     s->view.n_rows = n;
     s->view.block_shift = shift;
-    s->masks = malloc(km * 8);
-    s->bitvals = malloc(km * 8);
-    s->vbits = malloc(km);
+    s->masks = malloc(km ? km * 8 : 1); /* K = 0 (raw table): no masks */
+    s->bitvals = malloc(km ? km * 8 : 1);
+    s->vbits = malloc(km ? km : 1);
     s->block_base = malloc((nb + 1) * 8);
     s->block_len = malloc((nb + 1) * 4);
     s->block_cap = malloc((nb + 1) * 4);
@@ -98,9 +98,11 @@ static int store_build(store *s, const ibp_table *t)
     if (!s->masks || !s->bitvals || !s->vbits || !s->block_base || !s->block_len ||
         !s->block_cap || !s->rel)
         return IBP_E_NOMEM;
-    memcpy(s->masks, cb->masks, km * 8);
-    memcpy(s->bitvals, cb->bitvals, km * 8);
-    memcpy(s->vbits, cb->vbits, km);
+    if (km) {
+        memcpy(s->masks, cb->masks, km * 8);
+        memcpy(s->bitvals, cb->bitvals, km * 8);
+        memcpy(s->vbits, cb->vbits, km);
+    }
     s->n_blocks = nb;
     s->pad = ibp_tail_pad(cb->row_bytes, cb->word_bits);
     for (uint64_t b = 0; b < nb; b++) {

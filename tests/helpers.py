@@ -1,13 +1,20 @@
-"""Tables and checks shared by the codec and lookup tests."""
+"""Tables, checks and an independent .ibp writer shared by the tests."""
 from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from ibp_embed import CompressedTable, io
 
 WORD_BITS = (16, 32, 64)
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64,
               torch.float64, torch.uint8, torch.bool, torch.int16, torch.int32)
 LOOKUP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SECTIONS = ("masks", "bitvals", "block_base", "rel", "payload")
 
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor):
@@ -57,3 +64,49 @@ def magnitude_clusters(n=256, dim=16, seed=0, scales=(1e-6, 1e-2, 1e2, 1e6)) -> 
     scales = torch.tensor(scales)
     group = torch.arange(n) % 4
     return torch.randn(n, dim, generator=g) * scales[group][:, None]
+
+
+def write_ibp(path, header: dict, sections: dict, *, version: int = 1, reserved: int = 0,
+              raw_header: bytes | None = None):
+    """Write an .ibp file following docs/format.md, independently of ibp_embed.io.save.
+
+    header["sections"] is filled in from `sections` (name -> bytes) unless already present.
+    """
+    header = dict(header)
+    if "sections" not in header:
+        secs, off = [], 0
+        for name in SECTIONS:
+            b = sections[name]
+            secs.append({"name": name, "offset": off, "length": len(b), "crc32c": io.crc32c(b)})
+            off += -(-len(b) // 64) * 64
+        header["sections"] = secs
+        for base in range(64, 1 << 22, 64):  # the first aligned offset past the header
+            for s, o in zip(secs, [x["offset"] for x in secs]):
+                s["offset"] = o + base
+            body = json.dumps(header).encode()
+            if 24 + len(body) <= base:
+                break
+            for s, o in zip(secs, [x["offset"] for x in secs]):
+                s["offset"] = o - base
+    body = raw_header if raw_header is not None else json.dumps(header).encode()
+    data = bytearray(struct.pack("<8sIIII", io.MAGIC, version, len(body), io.crc32c(body), reserved))
+    data += body
+    for s in header.get("sections", []) if isinstance(header.get("sections"), list) else []:
+        if isinstance(s, dict) and s.get("name") in sections and isinstance(s.get("offset"), int):
+            b = sections[s["name"]]
+            if len(data) < s["offset"]:
+                data += bytes(s["offset"] - len(data))
+            data[s["offset"]: s["offset"] + len(b)] = b
+    Path(path).write_bytes(bytes(data))
+
+
+def table_sections(t: CompressedTable) -> tuple[dict, dict]:
+    """(header fields, section bytes) of a table, per docs/format.md."""
+    wd = {16: np.uint16, 32: np.uint32, 64: np.uint64}[t.word_bits]
+    header = {"format": "ibp_embed table", "shape": list(t.shape),
+              "dtype": str(t.dtype).removeprefix("torch."), "word_bits": t.word_bits,
+              "clusters": t.clusters, "payload_bytes": t._payload_bytes}
+    secs = {"masks": t.masks.astype(wd).tobytes(), "bitvals": t.bitvals.astype(wd).tobytes(),
+            "block_base": t._block_base.tobytes(), "rel": t._rel.tobytes(),
+            "payload": np.asarray(t._payload).tobytes()}
+    return header, secs

@@ -115,9 +115,15 @@ def test_compress_options(files, tmp_path, capsys):
         assert rc == 0, err
         assert loaded_equals(tmp_path / f"w{w}.ibp", x).word_bits == w
     rc, _, err = run(capsys, "compress", d / "tensor.pt", tmp_path / "k.ibp", "--clusters", 4,
-                     "--threshold", "0.9")
+                     "--threshold", "0.9", "--no-raw")
     assert rc == 0, err
     assert 1 <= loaded_equals(tmp_path / "k.ibp", x).clusters <= 4
+    # without --no-raw, what these options give is larger than the rows: stored raw
+    rc, out, err = run(capsys, "compress", d / "tensor.pt", tmp_path / "r.ibp", "--clusters", 4,
+                       "--threshold", "0.9")
+    assert rc == 0 and "stored raw" in out, err
+    r = loaded_equals(tmp_path / "r.ibp", x)
+    assert r.is_raw and r.nbytes == r.raw_nbytes
 
 
 def test_compress_overwrites_atomically(files, tmp_path, capsys):
@@ -156,7 +162,7 @@ def test_object_npy_is_refused(files, tmp_path, capsys):
 def clustered(files, tmp_path_factory):
     d, x, _ = files
     path = tmp_path_factory.mktemp("inspect") / "k.ibp"
-    t = ibp_embed.compress(x, clusters=3, word_bits=32)
+    t = ibp_embed.compress(x, clusters=3, word_bits=32, allow_raw=False)
     assert t.clusters > 1
     t.save(path)
     return path, t
@@ -198,11 +204,28 @@ def test_inspect_text(clustered, capsys):
 
 
 def test_inspect_empty_table(tmp_path, capsys):
-    ibp_embed.compress(torch.empty(0, 4)).save(tmp_path / "z.ibp")
+    ibp_embed.compress(torch.empty(0, 4), allow_raw=False).save(tmp_path / "z.ibp")
     rc, out, err = run(capsys, "inspect", tmp_path / "z.ibp", "--json")
     assert rc == 0, err
     s = json.loads(out)
     assert s["shape"] == [0, 4] and s["raw_rows"] == 0 and s["cluster_stats"][0]["rows"] == 0
+    ibp_embed.compress(torch.empty(0, 4)).save(tmp_path / "r.ibp")  # raw: 0 bytes
+    rc, out, err = run(capsys, "inspect", tmp_path / "r.ibp", "--json")
+    s = json.loads(out)
+    assert rc == 0 and s["clusters"] == 0 and s["nbytes"] == 0 and s["cluster_stats"] == []
+    assert s["format_version"] == 2
+
+
+def test_inspect_raw_table(tmp_path, capsys):
+    x = torch.randint(-2**31, 2**31 - 1, (300, 16), dtype=torch.int32).view(torch.float32)  # random bits
+    ibp_embed.compress(x).save(tmp_path / "r.ibp")
+    rc, out, err = run(capsys, "inspect", tmp_path / "r.ibp", "--json")
+    s = json.loads(out)
+    assert rc == 0 and s["format_version"] == 2 and s["clusters"] == 0 and s["cluster_stats"] == []
+    assert s["nbytes"] == s["raw_nbytes"] == s["payload_bytes"] == 300 * 64 and s["raw_rows"] == 300
+    assert s["index_bytes"] == s["mask_bytes"] == 0
+    rc, out, err = run(capsys, "inspect", tmp_path / "r.ibp")
+    assert rc == 0 and "a raw table" in out and "tail pad 0" in out, err
 
 
 # ---------------------------------------------------------------- verify
@@ -257,7 +280,7 @@ def test_verify_reports_mismatch_in_a_later_chunk(files, tmp_path, capsys, monke
 
 def _undecodable_table(x) -> tuple[CompressedTable, int]:
     """A table with valid structure whose row `bad` has a broken bitstream."""
-    t = ibp_embed.compress(x, word_bits=32)
+    t = ibp_embed.compress(x, word_bits=32, allow_raw=False)
     lengths = t.row_lengths()
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     for row in range(200, x.shape[0]):
@@ -336,7 +359,7 @@ def test_help_and_version(capsys):
     rc, out, _ = run(capsys, "--help")
     assert rc == 0 and "compress" in out and "inspect" in out and "verify" in out
     rc, out, _ = run(capsys, "--version")
-    assert rc == 0 and "format version 1" in out
+    assert rc == 0 and "format version 2" in out
 
 
 # ---------------------------------------------------------------- the console script

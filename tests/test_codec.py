@@ -57,7 +57,7 @@ def test_special_float_values_round_trip(dtype, word_bits):
         row = torch.roll(torch.cat([specials, specials])[:7], i)
         w[i] = row
     assert _nan_count(w) > 0
-    t = ibp_embed.compress(w, word_bits=word_bits)
+    t = ibp_embed.compress(w, word_bits=word_bits, allow_raw=False)
     out = t.decompress()
     assert_bits_equal(out, w)
     assert_bits_equal(t.gather(torch.arange(63, -1, -1)), w.flip(0))
@@ -78,7 +78,7 @@ def test_all_nan_payload_table(dtype):
 @pytest.mark.parametrize("word_bits", WORD_BITS)
 def test_round_trip_every_dtype_and_word_size(dtype, word_bits):
     w = structured(150, 5, dtype, seed=word_bits)
-    t = ibp_embed.compress(w, word_bits=word_bits)
+    t = ibp_embed.compress(w, word_bits=word_bits, allow_raw=False)
     assert t.word_bits == word_bits and t.dtype == dtype and t.shape == (150, 5)
     assert_bits_equal(t.decompress(), w)
     if dtype.itemsize * 5 >= 8:  # room for the participation header: some rows shrink
@@ -91,7 +91,7 @@ def test_round_trip_every_dtype_and_word_size(dtype, word_bits):
 @pytest.mark.parametrize("word_bits", WORD_BITS)
 def test_row_not_a_multiple_of_the_word(dtype, dim, word_bits):
     w = structured(80, dim, dtype, seed=dim)
-    t = ibp_embed.compress(w, word_bits=word_bits)
+    t = ibp_embed.compress(w, word_bits=word_bits, allow_raw=False)
     out = t.decompress()
     assert out.shape == (80, dim)
     assert_bits_equal(out, w)
@@ -103,7 +103,7 @@ def test_fp16_dim3_w64_specials():
     """D=3 fp16 with W=64: 6 bytes of an 8-byte word, and NaN payloads in it."""
     s = special_values(torch.float16)
     w = torch.stack([s[i: i + 3] for i in range(s.numel() - 2)] * 4)
-    t = ibp_embed.compress(w, word_bits=64)
+    t = ibp_embed.compress(w, word_bits=64, allow_raw=False)
     assert t._masks.shape == (t.clusters, 1)
     assert_bits_equal(t.decompress(), w)
 
@@ -122,22 +122,23 @@ def test_gather_no_indices_minimal():
 @pytest.mark.parametrize("word_bits,clusters", [(None, 1), (16, 4), (64, 1)])
 def test_empty_table(dtype, word_bits, clusters):
     w = torch.empty((0, 6), dtype=dtype)
-    t = ibp_embed.compress(w, word_bits=word_bits, clusters=clusters)
-    assert t.shape == (0, 6) and len(t) == 0
-    assert_bits_equal(t.decompress(), w)
-    assert_bits_equal(t.gather(torch.empty(0, dtype=torch.int64)), w)
-    assert t.raw_nbytes == 0 and t.ratio == 1.0
-    assert t._payload_bytes == 0 and t.nbytes == _expected_nbytes(t)
-    assert t._block_base.tolist() == [0] and t._rel.tolist() == [0]
-    with pytest.raises(IndexError):
-        t.gather([0])
+    for allow_raw in (True, False):
+        t = ibp_embed.compress(w, word_bits=word_bits, clusters=clusters, allow_raw=allow_raw)
+        assert t.shape == (0, 6) and len(t) == 0 and t.is_raw == allow_raw
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(torch.empty(0, dtype=torch.int64)), w)
+        assert t.raw_nbytes == 0 and t.ratio == 1.0
+        assert t._payload_bytes == 0 and t.nbytes == _expected_nbytes(t) == (0 if allow_raw else t.nbytes)
+        assert t._block_base.tolist() == ([] if allow_raw else [0]) and t._rel.tolist() == ([] if allow_raw else [0])
+        with pytest.raises(IndexError):
+            t.gather([0])
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("word_bits", [None, *WORD_BITS])
 def test_single_row(dtype, word_bits):
     w = random_bits(1, 9, dtype, seed=3)
-    t = ibp_embed.compress(w, word_bits=word_bits, clusters=3)
+    t = ibp_embed.compress(w, word_bits=word_bits, clusters=3, allow_raw=False)
     assert_bits_equal(t.decompress(), w)
     assert_bits_equal(t.gather([0]), w[[0]])
     assert_bits_equal(t.gather(torch.zeros(3, dtype=torch.int64)), w[[0, 0, 0]])
@@ -167,7 +168,11 @@ def test_identical_rows_compress_well(dtype):
 def test_incompressible_rows_stored_raw(dtype, word_bits):
     w = random_bits(64, 16, dtype, seed=5)
     r = 16 * dtype.itemsize
-    t = ibp_embed.compress(w, word_bits=word_bits)
+    stored = ibp_embed.compress(w, word_bits=word_bits)  # the whole table: raw
+    assert stored.is_raw and stored.nbytes == stored.raw_nbytes == stored._payload.nbytes
+    assert stored._payload.tobytes() == to_bytes(w).tobytes() and (stored.cluster_ids() == -1).all()
+    assert_bits_equal(stored.decompress(), w)
+    t = ibp_embed.compress(w, word_bits=word_bits, allow_raw=False)  # raw rows in an encoded table
     assert_bits_equal(t.decompress(), w)
     lengths = t.row_lengths()
     assert (lengths <= r).all()
@@ -184,8 +189,8 @@ def test_incompressible_rows_stored_raw(dtype, word_bits):
 @pytest.mark.parametrize("word_bits", [None, *WORD_BITS])
 def test_clusters_help_on_clustered_table(word_bits):
     w = magnitude_clusters()
-    one = ibp_embed.compress(w, word_bits=word_bits, clusters=1)
-    four = ibp_embed.compress(w, word_bits=word_bits, clusters=4)
+    one = ibp_embed.compress(w, word_bits=word_bits, clusters=1, allow_raw=False)
+    four = ibp_embed.compress(w, word_bits=word_bits, clusters=4, allow_raw=False)
     assert_bits_equal(four.decompress(), w)
     assert four.nbytes < one.nbytes
     assert four.clusters > 1
@@ -204,8 +209,8 @@ def test_clusters_help_on_clustered_table(word_bits):
 def test_more_clusters_never_bigger(dtype, clusters):
     w = magnitude_clusters(200, 8, seed=clusters).to(dtype) if dtype != torch.int8 else \
         (magnitude_clusters(200, 8, seed=clusters).clamp(-127, 127)).to(torch.int8)
-    one = ibp_embed.compress(w, clusters=1)
-    many = ibp_embed.compress(w, clusters=clusters)
+    one = ibp_embed.compress(w, clusters=1, allow_raw=False)
+    many = ibp_embed.compress(w, clusters=clusters, allow_raw=False)
     assert many.nbytes <= one.nbytes
     assert 1 <= many.clusters <= clusters
     assert_bits_equal(many.decompress(), w)
@@ -215,7 +220,7 @@ def test_more_clusters_never_bigger(dtype, clusters):
 @pytest.mark.parametrize("word_bits", WORD_BITS)
 def test_fixed_threshold_round_trip(threshold, word_bits):
     w = structured(120, 6, torch.float32, seed=7, noise_frac=0.4)
-    t = ibp_embed.compress(w, word_bits=word_bits, threshold=threshold)
+    t = ibp_embed.compress(w, word_bits=word_bits, threshold=threshold, allow_raw=False)
     assert_bits_equal(t.decompress(), w)
 
 
@@ -225,7 +230,7 @@ def test_threshold_one_masks_exactly_the_constant_bits(word_bits, dim, dtype):
     """With threshold 1.0 and one mask, a bit is invariant iff it is the same in every row
     (padding bits are constant zero), and bitval holds its value."""
     w = structured(90, dim, dtype, seed=8, noise_frac=0.3)
-    t = ibp_embed.compress(w, word_bits=word_bits, threshold=1.0)
+    t = ibp_embed.compress(w, word_bits=word_bits, threshold=1.0, allow_raw=False)
     assert t.clusters == 1
     rows = to_bytes(w)
     b = word_bits // 8
@@ -274,7 +279,7 @@ def test_compress_is_deterministic():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_gather_any_index_shape(shape, dtype):
     w = structured(70, 5, dtype, seed=11)
-    t = ibp_embed.compress(w, clusters=2)
+    t = ibp_embed.compress(w, clusters=2, allow_raw=False)
     g = torch.Generator().manual_seed(12)
     idx = torch.randint(0, 70, shape, generator=g)
     want = w[idx]
@@ -357,11 +362,13 @@ def tables(draw):
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=tables(), word_bits=st.sampled_from([None, *WORD_BITS]), clusters=st.integers(1, 6),
-       threshold=st.sampled_from([None, None, 1.0, 0.8, 0.6]), data=st.data())
-def test_property_round_trip_and_gather(w, word_bits, clusters, threshold, data):
-    t = ibp_embed.compress(w, word_bits=word_bits, clusters=clusters, threshold=threshold)
+       threshold=st.sampled_from([None, None, 1.0, 0.8, 0.6]), allow_raw=st.booleans(), data=st.data())
+def test_property_round_trip_and_gather(w, word_bits, clusters, threshold, allow_raw, data):
+    t = ibp_embed.compress(w, word_bits=word_bits, clusters=clusters, threshold=threshold, allow_raw=allow_raw)
     n, dim = w.shape
-    assert t.shape == (n, dim) and t.dtype == w.dtype and 1 <= t.clusters <= max(1, clusters)
+    assert t.shape == (n, dim) and t.dtype == w.dtype and int(not allow_raw) <= t.clusters <= max(1, clusters)
+    if allow_raw:  # never grows
+        assert t.nbytes <= t.raw_nbytes and (t.nbytes < t.raw_nbytes or t.is_raw)
     if word_bits:
         assert t.word_bits == word_bits
     out = t.decompress()
@@ -377,7 +384,7 @@ def test_property_round_trip_and_gather(w, word_bits, clusters, threshold, data)
     assert (lengths <= r).all() and int(lengths.sum()) == t._payload_bytes
     assert t.nbytes == _expected_nbytes(t)
     if threshold is None and clusters > 1:
-        assert t.nbytes <= ibp_embed.compress(w, word_bits=word_bits, clusters=1).nbytes
+        assert t.nbytes <= ibp_embed.compress(w, word_bits=word_bits, clusters=1, allow_raw=allow_raw).nbytes
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -386,12 +393,14 @@ def test_property_matches_reference(w, data):
     """Small tables: the whole encoding equals the pure-Python reference's."""
     word_bits = data.draw(st.sampled_from(WORD_BITS))
     clusters = data.draw(st.integers(1, 4))
-    t = ibp_embed.compress(w[:40], word_bits=word_bits, clusters=clusters)
+    encoded = ibp_embed.compress(w[:40], word_bits=word_bits, clusters=clusters, allow_raw=False)
     rows = to_bytes(w[:40])
-    want = ref.encode_table(rows, word_bits, t.masks, t.bitvals)
-    assert t._payload[: t._payload_bytes].tobytes() == want["payload"]
-    assert t._rel.tolist() == want["rel"].tolist()
-    assert t._block_base.tolist() == want["block_base"].tolist()
+    for t, want in ((encoded, ref.encode_table(rows, word_bits, encoded.masks, encoded.bitvals)),
+                    (ibp_embed.compress(w[:40], word_bits=word_bits, clusters=clusters),
+                     ref.store_table(rows, word_bits, encoded.masks, encoded.bitvals))):
+        assert t._payload[: t._payload_bytes].tobytes() == want["payload"]
+        assert t._rel.tolist() == want["rel"].tolist()
+        assert t._block_base.tolist() == want["block_base"].tolist()
 
 
 # ---------------------------------------------------------------- bad compress arguments
@@ -427,29 +436,29 @@ def test_compress_bad_weights(weights, exc):
 @pytest.mark.parametrize("clusters", [1, 4])
 def test_sizes_consistent(dtype, dim, n, clusters):
     w = magnitude_clusters(n, dim, seed=n).to(dtype)
-    t = ibp_embed.compress(w, clusters=clusters)
     r = dim * dtype.itemsize
-    m = ref.n_words(r, t.word_bits)
-    assert t.raw_nbytes == n * r == w.numel() * w.element_size()
-    assert t._block_base.dtype == np.uint64 and t._block_base.shape == (n // 64 + 1,)
-    assert t._rel.dtype == ref.rel_dtype(r) and t._rel.shape == (n + 1,)
-    assert t._payload.shape == (t._payload_bytes + ref.tail_pad(r, t.word_bits),)
-    assert t.masks.shape == t.bitvals.shape == (t.clusters, m)
-    assert t.nbytes == _expected_nbytes(t)
-    assert int(t.row_lengths().sum()) == t._payload_bytes
-    assert t.ratio == pytest.approx(t.raw_nbytes / t.nbytes)
-    assert_bits_equal(t.decompress(), w)
+    for allow_raw in (True, False):
+        t = ibp_embed.compress(w, clusters=clusters, allow_raw=allow_raw)
+        m = ref.n_words(r, t.word_bits)
+        assert t.raw_nbytes == n * r == w.numel() * w.element_size()
+        index = ((0,), (0,)) if t.is_raw else ((n // 64 + 1,), (n + 1,))
+        assert t._block_base.dtype == np.uint64 and t._block_base.shape == index[0]
+        assert t._rel.dtype == ref.rel_dtype(r) and t._rel.shape == index[1]
+        assert t._payload.shape == (t._payload_bytes + (0 if t.is_raw else ref.tail_pad(r, t.word_bits)),)
+        assert t.masks.shape == t.bitvals.shape == (t.clusters, m)
+        assert t.nbytes == _expected_nbytes(t)
+        assert int(t.row_lengths().sum()) == t._payload_bytes
+        assert t.ratio == pytest.approx(t.raw_nbytes / t.nbytes)
+        assert_bits_equal(t.decompress(), w)
+        if allow_raw:  # stored raw exactly when encoding would not shrink the table
+            encoded = ibp_embed.compress(w, clusters=clusters, allow_raw=False)
+            assert t.is_raw == (encoded.nbytes >= n * r) and t.nbytes == min(encoded.nbytes, n * r)
 
 
 def _expected_nbytes(t: CompressedTable) -> int:
     """nbytes as docs/format.md "Size" defines it, from the shape and stored lengths."""
     n, dim = t.shape
-    r = dim * t.dtype.itemsize
-    b = t.word_bits // 8
-    m = ref.n_words(r, t.word_bits)
-    rel = np.dtype(ref.rel_dtype(r)).itemsize
-    return (int(t.row_lengths().sum()) + ref.tail_pad(r, t.word_bits) + 8 * (n // 64 + 1)
-            + rel * (n + 1) + 2 * t.clusters * m * b)
+    return ref.table_nbytes(int(t.row_lengths().sum()), n, dim * t.dtype.itemsize, t.word_bits, t.clusters)
 
 
 def test_masks_are_read_only():
@@ -499,7 +508,7 @@ def test_more_clusters_keep_what_fewer_found(word_bits):
     clusters continue the same splits, so they do not lose what fewer found here
     (quantile seeding alone went back to one mask at K=16 while K=4 found four)."""
     w = magnitude_clusters()
-    sizes = [ibp_embed.compress(w, word_bits=word_bits, clusters=k).nbytes for k in (1, 2, 4, 16)]
+    sizes = [ibp_embed.compress(w, word_bits=word_bits, clusters=k, allow_raw=False).nbytes for k in (1, 2, 4, 16)]
     assert sizes[3] <= sizes[2] <= sizes[1] < sizes[0]
 
 

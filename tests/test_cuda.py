@@ -124,18 +124,22 @@ def _smooth(n, dim, dtype, seed=0):
     return (1.5 + torch.rand(n, dim, generator=g) * 1e-3).to(dtype)
 
 
+ENC = dict(allow_raw=False)  # encoded, though for some the masks outweigh the rows
 CASES = [  # (name, weights, compress kwargs)
-    ("f32-d128-w32-k4", lambda: _mixed(400, 128, torch.float32), dict(word_bits=32, clusters=4)),
-    ("f32-d128-w16", lambda: _mixed(300, 128, torch.float32), dict(word_bits=16, clusters=4)),
-    ("f32-d40-w64", lambda: _mixed(300, 40, torch.float32, 1), dict(word_bits=64, clusters=4)),
-    ("f16-d41-w64", lambda: _mixed(300, 41, torch.float16, 2), dict(word_bits=64, clusters=4)),
-    ("f16-d3-w32", lambda: _smooth(200, 3, torch.float16), dict(word_bits=32)),
-    ("bf16-d16-w16", lambda: _mixed(300, 16, torch.bfloat16, 3), dict(word_bits=16, clusters=2)),
-    ("bf16-d1-w64", lambda: _smooth(200, 1, torch.bfloat16), dict(word_bits=64)),
-    ("f32-d1-w32", lambda: _smooth(200, 1, torch.float32), dict(word_bits=32)),
+    ("f32-d128-w32-k4", lambda: _mixed(400, 128, torch.float32), dict(word_bits=32, clusters=4, **ENC)),
+    ("f32-d128-w16", lambda: _mixed(300, 128, torch.float32), dict(word_bits=16, clusters=4, **ENC)),
+    ("f32-d40-w64", lambda: _mixed(300, 40, torch.float32, 1), dict(word_bits=64, clusters=4, **ENC)),
+    ("f16-d41-w64", lambda: _mixed(300, 41, torch.float16, 2), dict(word_bits=64, clusters=4, **ENC)),
+    ("f16-d3-w32", lambda: _smooth(200, 3, torch.float16), dict(word_bits=32, **ENC)),
+    ("bf16-d16-w16", lambda: _mixed(300, 16, torch.bfloat16, 3), dict(word_bits=16, clusters=2, **ENC)),
+    ("bf16-d1-w64", lambda: _smooth(200, 1, torch.bfloat16), dict(word_bits=64, **ENC)),
+    ("f32-d1-w32", lambda: _smooth(200, 1, torch.float32), dict(word_bits=32, **ENC)),
     ("i8-d7-w32", lambda: torch.randint(0, 4, (300, 7), dtype=torch.int8,
-                                         generator=torch.Generator().manual_seed(4)), dict(word_bits=32)),
-    ("f64-d5-w64", lambda: _smooth(200, 5, torch.float64), dict(word_bits=64)),
+                                         generator=torch.Generator().manual_seed(4)), dict(word_bits=32, **ENC)),
+    ("f64-d5-w64", lambda: _smooth(200, 5, torch.float64), dict(word_bits=64, **ENC)),
+    # raw tables (format version 2): rows at i * R, no index and no tail pad in host memory
+    ("raw-f32-d40", lambda: _mixed(30, 40, torch.float32, 5), dict(word_bits=64)),
+    ("raw-f16-d3", lambda: _mixed(21, 3, torch.float16, 6), dict(word_bits=16)),
 ]
 
 
@@ -300,7 +304,10 @@ def test_case_tables_cover_the_format(case):
     name, w, t = case
     lengths = t.row_lengths()
     row_bytes = w.shape[1] * w.dtype.itemsize
-    if name.startswith(("f32-d128", "f32-d40", "f16-d41", "bf16-d16")):
+    assert t.is_raw == name.startswith("raw"), name
+    if t.is_raw:
+        assert t.nbytes == w.numel() * w.element_size(), name
+    elif name.startswith(("f32-d128", "f32-d40", "f16-d41", "bf16-d16")):
         assert (lengths == row_bytes).any() and (lengths < row_bytes).any(), name
         assert t.clusters > 1, name
     elif name != "f64-d5-w64":

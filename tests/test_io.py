@@ -21,8 +21,9 @@ import ibp_embed
 from ibp_embed import CompressedTable, FormatError, io
 from ibp_embed._native import lib
 
+from helpers import SECTIONS, table_sections, write_ibp
+
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("masks", "bitvals", "block_base", "rel", "payload")
 HYP = settings(deadline=None, max_examples=40, suppress_health_check=list(HealthCheck))
 
 
@@ -108,58 +109,12 @@ def region_of(pos: int, ranges) -> str | None:
     return None
 
 
-def write_ibp(path, header: dict, sections: dict, *, version: int = 1, reserved: int = 0,
-              raw_header: bytes | None = None):
-    """Write an .ibp file following docs/format.md, independently of ibp_embed.io.save.
-
-    header["sections"] is filled in from `sections` (name -> bytes) unless already present.
-    """
-    header = dict(header)
-    if "sections" not in header:
-        secs, off = [], 0
-        for name in SECTIONS:
-            b = sections[name]
-            secs.append({"name": name, "offset": off, "length": len(b), "crc32c": io.crc32c(b)})
-            off += -(-len(b) // 64) * 64
-        header["sections"] = secs
-        for base in range(64, 1 << 22, 64):  # the first aligned offset past the header
-            for s, o in zip(secs, [x["offset"] for x in secs]):
-                s["offset"] = o + base
-            body = json.dumps(header).encode()
-            if 24 + len(body) <= base:
-                break
-            for s, o in zip(secs, [x["offset"] for x in secs]):
-                s["offset"] = o - base
-    body = raw_header if raw_header is not None else json.dumps(header).encode()
-    data = bytearray(struct.pack("<8sIIII", io.MAGIC, version, len(body), io.crc32c(body), reserved))
-    data += body
-    for s in header.get("sections", []) if isinstance(header.get("sections"), list) else []:
-        if isinstance(s, dict) and s.get("name") in sections and isinstance(s.get("offset"), int):
-            b = sections[s["name"]]
-            if len(data) < s["offset"]:
-                data += bytes(s["offset"] - len(data))
-            data[s["offset"]: s["offset"] + len(b)] = b
-    Path(path).write_bytes(bytes(data))
-
-
-def table_sections(t: CompressedTable) -> tuple[dict, dict]:
-    """(header fields, section bytes) of a table, per docs/format.md."""
-    wd = {16: np.uint16, 32: np.uint32, 64: np.uint64}[t.word_bits]
-    header = {"format": "ibp_embed table", "shape": list(t.shape),
-              "dtype": str(t.dtype).removeprefix("torch."), "word_bits": t.word_bits,
-              "clusters": t.clusters, "payload_bytes": t._payload_bytes}
-    secs = {"masks": t.masks.astype(wd).tobytes(), "bitvals": t.bitvals.astype(wd).tobytes(),
-            "block_base": t._block_base.tobytes(), "rel": t._rel.tobytes(),
-            "payload": np.asarray(t._payload).tobytes()}
-    return header, secs
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """A small saved table with K > 1 and some raw rows: (path, table, data, file bytes)."""
     x = table_data(150, 8, torch.float32, seed=2, mixed=True)
     x[7] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-42, -1e38, 3.0, -float("inf"), 0.0])
-    t = ibp_embed.compress(x, clusters=3, word_bits=32)
+    t = ibp_embed.compress(x, clusters=3, word_bits=32, allow_raw=False)
     assert t.clusters > 1, "the fixture must exercise cluster ids"
     assert (t.cluster_ids() == -1).any() and (t.cluster_ids() >= 0).any()
     path = tmp_path_factory.mktemp("small") / "small.ibp"
@@ -556,7 +511,7 @@ def test_foreign_files(tmp_path, small):
         ibp_embed.load(tmp_path)  # a directory
 
 
-@pytest.mark.parametrize("version", [0, 2, 7, 2**32 - 1])
+@pytest.mark.parametrize("version", [0, 3, 7, 2**32 - 1])
 def test_other_format_versions(tmp_path, small, version):
     _, t, _, data = small
     bad = bytearray(data)
@@ -763,9 +718,13 @@ _GUARD_SCRIPT = textwrap.dedent(r"""
     g = torch.Generator().manual_seed(1)
     scale = torch.tensor([1e-4, 1.0, 1e4])[torch.randint(0, 3, (90,), generator=g)]
     x = (torch.randn(90, 6, generator=g) * scale[:, None]).float()
-    tables.append(ibp_embed.compress(x, clusters=3, word_bits=32))
-    tables.append(ibp_embed.compress(x[:70].to(torch.bfloat16)[:, :5].contiguous(), word_bits=64))
-    tables.append(ibp_embed.compress((x[:80] * 100).to(torch.int8), word_bits=16))
+    tables.append(ibp_embed.compress(x, clusters=3, word_bits=32, allow_raw=False))
+    tables.append(ibp_embed.compress(x[:70].to(torch.bfloat16)[:, :5].contiguous(), word_bits=64, allow_raw=False))
+    tables.append(ibp_embed.compress((x[:80] * 100).to(torch.int8), word_bits=16, allow_raw=False))
+    # raw tables: no tail pad, so their rows must be read exactly (the last one ends at the guard)
+    tables.append(ibp_embed.compress(x[:9]))
+    tables.append(ibp_embed.compress(x[:7].to(torch.float16)[:, :3].contiguous(), word_bits=64))
+    assert [t.is_raw for t in tables] == [False, False, False, True, True]
     total = 0
     kernels = [isa for isa in (0, 1, 2) if isa <= lib.ibp_isa()]
     for isa in kernels:

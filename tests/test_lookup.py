@@ -46,10 +46,12 @@ def reference_bag(dec: torch.Tensor, indices, offsets, weights, mode):
 @pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("clusters", [1, 4])
+@pytest.mark.parametrize("clusters", [1, 4, "raw"])
 def test_lookup_matches_embedding_bag(dtype, mode, weighted, clusters):
+    """Encoded tables (1 or 4 clusters) and a raw table (what compress stores for so few rows)."""
     w = magnitude_clusters(120, 12, seed=3, scales=(1e-3, 1e-1, 1e1, 1e3)).to(dtype)
-    t = ibp_embed.compress(w, clusters=clusters)
+    t = ibp_embed.compress(w) if clusters == "raw" else ibp_embed.compress(w, clusters=clusters, allow_raw=False)
+    assert t.is_raw == (clusters == "raw")
     dec = t.decompress()
     assert_bits_equal(dec, w)
     indices, offsets = make_bags(120, 40, seed=4)  # 40 bags: the parallel path
@@ -90,10 +92,10 @@ def test_lookup_special_values_propagate():
     w = torch.ones(4, 3)
     w[1, 0] = float("inf")
     w[2, 1] = float("nan")
-    t = ibp_embed.compress(w)
-    got = t.lookup([0, 1, 2, 3], [0, 2, 4])
     want = F.embedding_bag(torch.tensor([0, 1, 2, 3]), w, torch.tensor([0, 2]), mode="sum")
-    torch.testing.assert_close(got, want, equal_nan=True)
+    for allow_raw in (False, True):
+        got = ibp_embed.compress(w, allow_raw=allow_raw).lookup([0, 1, 2, 3], [0, 2, 4])
+        torch.testing.assert_close(got, want, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
@@ -101,11 +103,11 @@ def test_lookup_special_values_propagate():
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(n_rows=st.integers(1, 60), n_bags=st.integers(0, 30), seed=st.integers(0, 10**6),
-       weighted=st.booleans(), clusters=st.integers(1, 3))
-def test_property_lookup(dtype, mode, n_rows, n_bags, seed, weighted, clusters):
+       weighted=st.booleans(), clusters=st.integers(1, 3), allow_raw=st.booleans())
+def test_property_lookup(dtype, mode, n_rows, n_bags, seed, weighted, clusters, allow_raw):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n_rows, 6, generator=g) * 10 ** torch.randint(-3, 3, (n_rows, 1), generator=g)).to(dtype)
-    t = ibp_embed.compress(w, clusters=clusters)
+    t = ibp_embed.compress(w, clusters=clusters, allow_raw=allow_raw)
     indices, offsets = make_bags(n_rows, n_bags, seed)
     weights = torch.randn(indices.numel(), generator=g) if weighted else None
     got = t.lookup(indices, offsets, weights, mode)

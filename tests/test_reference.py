@@ -294,13 +294,17 @@ def test_wide_rows_use_u32_rel():
 @pytest.mark.parametrize("dtype,dim", [(torch.float16, 3), (torch.float32, 5), (torch.bfloat16, 8),
                                        (torch.int8, 13), (torch.int64, 2)])
 def test_compress_matches_reference(kernel, w, k, dtype, dim):
-    """The public encoder's output equals the reference encoding under its own codebook."""
+    """The public encoder's output equals the reference encoding under its own codebook,
+    and the table it stores by default (raw or not) the reference's choice."""
     rng = random.Random(dim * 31 + w + k)
     r = dim * dtype.itemsize
     masks, bitvals = random_codebook(rng, 3, r, w)
     rows = rows_for(rng, 50, r, w, masks, bitvals, p_random=0.2)
     weights = torch.from_numpy(rows).view(dtype).reshape(50, dim)
-    t = ibp_embed.compress(weights, word_bits=w, clusters=k)
+    t = ibp_embed.compress(weights, word_bits=w, clusters=k, allow_raw=False)
+    stored, want = ibp_embed.compress(weights, word_bits=w, clusters=k), ref.store_table(rows, w, t._masks, t._bitvals)
+    assert stored.clusters == want["n_clusters"] and stored.nbytes == min(t.nbytes, rows.size)
+    assert stored._payload[:stored._payload_bytes].tobytes() == want["payload"]
     assert t.word_bits == w and t.clusters <= k
     want = ref.encode_table(rows, w, t._masks, t._bitvals)
     pb = t._payload_bytes

@@ -138,12 +138,14 @@ def train_fbgemm(opt_name, pooling, weighted, batches, wd=None, dtype=torch.floa
     return torch.stack(losses), tables, states
 
 
-def train_ibp(optimizer, pooling, weighted, batches, dtype=torch.float32):
+def train_ibp(optimizer, pooling, weighted, batches, dtype=torch.float32, allow_raw=False):
+    """allow_raw=False: the tables (a few hundred rows) are encoded, not stored raw."""
     pool = PoolingType.MEAN if pooling == "mean" else PoolingType.SUM
     data_type = {torch.float32: DataType.FP32, torch.float16: DataType.FP16, torch.bfloat16: DataType.BF16}[dtype]
     configs = [EmbeddingBagConfig(name=name, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=pool,
                                   data_type=data_type) for name, n, d, fs in TABLES]
-    ebc = IBPEmbeddingBagCollection(configs, is_weighted=weighted, device="meta", optimizer=optimizer)
+    ebc = IBPEmbeddingBagCollection(configs, is_weighted=weighted, device="meta", optimizer=optimizer,
+                                    allow_raw=allow_raw)
     ebc.load_state_dict({f"embedding_bags.{name}.weight": w
                          for (name, *_), w in zip(TABLES, initial_tables(dtype=dtype))}, strict=False)
     total_dim = sum(d for _, _, d, fs in TABLES for _ in fs)
@@ -191,11 +193,15 @@ def ibp_optimizer(name, wd):
     return RowWiseAdagrad(LR, eps=EPS, **kw)
 
 
-@pytest.mark.parametrize("opt_name,pooling,weighted,wd", CASES)
-def test_200_steps_match_fbgemm_bit_exact(opt_name, pooling, weighted, wd):
+@pytest.mark.parametrize("opt_name,pooling,weighted,wd,allow_raw", [(*c, False) for c in CASES] + [(*CASES[-1], True)])
+def test_200_steps_match_fbgemm_bit_exact(opt_name, pooling, weighted, wd, allow_raw):
     batches = make_batches(seed=7, weighted=weighted)
     fb_losses, fb_tables, fb_states = train_fbgemm(opt_name, pooling, weighted, batches, wd)
-    ibp_losses, ibp_tables, ibp_states, ebc = train_ibp(ibp_optimizer(opt_name, wd), pooling, weighted, batches)
+    ibp_losses, ibp_tables, ibp_states, ebc = train_ibp(ibp_optimizer(opt_name, wd), pooling, weighted, batches,
+                                                        allow_raw=allow_raw)
+    # by default the smallest tables are stored raw, next to encoded ones
+    assert [b.table.clusters == 0 for b in ebc.embedding_bags.values()] == [allow_raw and n * d <= 1000
+                                                                            for _, n, d, _ in TABLES]
 
     # the model did train (rows moved), and in the same way
     assert not torch.equal(fb_tables[0], initial_tables()[0])
@@ -251,7 +257,7 @@ def test_16_bit_updates_round_to_nearest_on_every_isa(dtype):
     try:
         for isa in isas:
             _native.lib.ibp_set_isa(isa)
-            t = UpdatableTable(ibp_embed.compress(w), repack_drift=None)
+            t = UpdatableTable(ibp_embed.compress(w, allow_raw=False), repack_drift=None)
             ids = np.arange(n, dtype=np.int64)
             t.apply_gradients(SGD(lr), {}, ids, np.arange(n + 1, dtype=np.int64), n, grad, [0])
             got = t.decompress()
@@ -344,6 +350,7 @@ def _tiny(optimizer=None, **kw):
     configs = [EmbeddingBagConfig(name="a", num_embeddings=64, embedding_dim=8, feature_names=["fa"]),
                EmbeddingBagConfig(name="b", num_embeddings=32, embedding_dim=4, feature_names=["fb", "fc"])]
     torch.manual_seed(0)
+    kw.setdefault("allow_raw", False)  # encoded, though masks outweigh these few rows
     return IBPEmbeddingBagCollection(configs, optimizer=optimizer, **kw)
 
 

@@ -16,7 +16,7 @@ from ..codec import compress
 from ..table import CompressedTable, lookup_many
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
-CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress")
+CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress", "allow_raw")
 
 _DATA_TYPES = {
     DataType.FP32.value: torch.float32,

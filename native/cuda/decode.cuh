@@ -44,9 +44,9 @@ struct DevTable {
     const uint64_t *masks;      /* [K][M] */
     const uint64_t *bitvals;    /* [K][M] */
     const uint8_t *vbits;       /* [K][M] */
-    const uint64_t *block_base; /* [(n_rows >> 6) + 1] */
-    const void *rel;            /* [n_rows + 1] of uint16 or uint32 */
-    const uint8_t *payload;     /* 16-byte aligned; payload_bytes + tail pad readable */
+    const uint64_t *block_base; /* [(n_rows >> 6) + 1]; unused when K = 0 (raw) */
+    const void *rel;            /* [n_rows + 1] of uint16 or uint32; unused when K = 0 */
+    const uint8_t *payload;     /* 16-byte aligned; payload_bytes + tail pad readable (raw tables too) */
     uint64_t n_rows;
     uint32_t row_bytes, word_bits, n_words, n_clusters, rel_bytes;
     int *status;                /* device int, see kStatus* */
@@ -87,8 +87,14 @@ IBPC_HD uint32_t meta_bytes_for(uint32_t n_clusters, uint32_t n_words)
     return 2 * round_up(km * 8, kChunk) + round_up(km, kChunk);
 }
 
+/* Clusters of the codebook the kernels read: a raw table (K = 0) gets one of zero
+ * masks, so that the decoder's unconditional mask loads stay in bounds. */
+IBPC_HD uint32_t meta_clusters(uint32_t n_clusters) { return n_clusters ? n_clusters : 1; }
+
 IBPC_HD uint64_t row_start(const DevTable &t, uint64_t i)
 {
+    if (t.n_clusters == 0) /* a raw table: rows back to back, no index */
+        return i * t.row_bytes;
     uint64_t rel = t.rel_bytes == 2 ? (uint64_t)((const uint16_t *)t.rel)[i]
                                     : (uint64_t)((const uint32_t *)t.rel)[i];
     return t.block_base[i / IBP_BLOCK_ROWS] + rel;

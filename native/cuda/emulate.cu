@@ -32,6 +32,7 @@ struct HostTable {
     DevTable t;
     Meta m;
     std::vector<uint8_t> vbits;
+    std::vector<uint64_t> zeros; /* a raw table's codebook: one cluster of zero masks */
     uint8_t *aligned_copy = nullptr;
     ~HostTable() { free(aligned_copy); }
 };
@@ -43,27 +44,37 @@ int host_table(const ibp_table *h, HostTable *ht)
     if (h->block_len)
         return fail(IBP_CUDA_E_ARG, "emulate: updatable (store-mode) tables are not supported");
     const ibp_codebook &cb = h->cb;
-    if (!cb.masks || !cb.bitvals || !h->block_base || !h->rel || !h->payload)
+    const bool raw = cb.n_clusters == 0; /* rows at i * R: no index, no tail pad */
+    if ((!raw && (!cb.masks || !cb.bitvals || !h->block_base || !h->rel)) || (h->payload_bytes && !h->payload))
         return fail(IBP_CUDA_E_ARG, "emulate: null table pointer");
     if (cb.word_bits != 16 && cb.word_bits != 32 && cb.word_bits != 64)
         return fail(IBP_CUDA_E_ARG, "emulate: word size %u", cb.word_bits);
-    const uint64_t km = (uint64_t)cb.n_clusters * cb.n_words;
+    if (cb.n_clusters > 256 || (raw && h->payload_bytes != h->n_rows * cb.row_bytes))
+        return fail(IBP_CUDA_E_ARG, "emulate: %u clusters, %llu payload bytes for %llu rows", cb.n_clusters,
+                    (unsigned long long)h->payload_bytes, (unsigned long long)h->n_rows);
+    const uint64_t km = (uint64_t)meta_clusters(cb.n_clusters) * cb.n_words;
     ht->vbits.resize(km);
+    if (raw)
+        ht->zeros.assign(km, 0);
+    const uint64_t *masks = raw ? ht->zeros.data() : cb.masks;
     for (uint64_t i = 0; i < km; i++)
-        ht->vbits[i] = (uint8_t)(cb.word_bits - ibp_popcount64(cb.masks[i] & ibp_low_bits(cb.word_bits)));
+        ht->vbits[i] = (uint8_t)(cb.word_bits - ibp_popcount64(masks[i] & ibp_low_bits(cb.word_bits)));
     DevTable &t = ht->t;
-    t.masks = cb.masks;
-    t.bitvals = cb.bitvals;
+    t.masks = masks;
+    t.bitvals = raw ? ht->zeros.data() : cb.bitvals;
     t.vbits = ht->vbits.data();
     t.block_base = h->block_base;
     t.rel = h->rel;
     t.payload = h->payload;
-    if ((uintptr_t)h->payload % kChunk) {
+    if ((uintptr_t)h->payload % kChunk || raw) { /* as the device sees it: aligned, padded */
         uint64_t span = h->payload_bytes + ibp_tail_pad_bytes(cb.row_bytes, cb.word_bits);
+        uint64_t have = raw ? h->payload_bytes : span;
         ht->aligned_copy = (uint8_t *)aligned_alloc(kChunk, (span + kChunk - 1) / kChunk * kChunk);
         if (!ht->aligned_copy)
             return fail(IBP_CUDA_E_NOMEM, "emulate: no memory for an aligned payload copy");
-        memcpy(ht->aligned_copy, h->payload, span);
+        memset(ht->aligned_copy, 0, span);
+        if (have)
+            memcpy(ht->aligned_copy, h->payload, have);
         t.payload = ht->aligned_copy;
     }
     t.n_rows = h->n_rows;

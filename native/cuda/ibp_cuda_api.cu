@@ -139,24 +139,31 @@ bool register_in_place(ibp_cuda_table *t, const uint8_t *p, uint64_t span)
     return true;
 }
 
+/* A raw table's payload has no tail pad in host memory, and the kernels over-read
+ * rows (granules, words): it is always copied, with a zeroed tail pad. */
 int place_payload(ibp_cuda_table *t, const uint8_t *p, int placement)
 {
     const uint64_t span = t->payload_span;
+    const uint64_t have = t->dev.n_clusters ? span : t->payload_bytes; /* bytes p holds */
     if (placement == IBP_CUDA_PLACE_DEVICE) {
         IBPC_TRY(cudaMalloc(&t->device_copy, span));
         t->device_bytes += span;
-        IBPC_TRY(cudaMemcpy(t->device_copy, p, span, cudaMemcpyHostToDevice));
+        IBPC_TRY(cudaMemset(t->device_copy, 0, span));
+        if (have)
+            IBPC_TRY(cudaMemcpy(t->device_copy, p, have, cudaMemcpyHostToDevice));
         t->dev.payload = (const uint8_t *)t->device_copy;
         t->payload_mode = IBP_CUDA_PAYLOAD_DEVICE_COPY;
         return IBP_CUDA_OK;
     }
-    if (register_in_place(t, p, span))
+    if (have == span && register_in_place(t, p, span))
         return IBP_CUDA_OK;
-    /* Fallback: a pinned, mapped copy (costs host memory, reads the same way). */
+    /* Otherwise a pinned, mapped copy (costs host memory, reads the same way). */
     void *dp = nullptr;
     IBPC_TRY(cudaHostAlloc(&t->pinned_copy, span, cudaHostAllocPortable | cudaHostAllocMapped));
     t->pinned_bytes = span;
-    memcpy(t->pinned_copy, p, span);
+    memset(t->pinned_copy, 0, span);
+    if (have)
+        memcpy(t->pinned_copy, p, have);
     IBPC_TRY(cudaHostGetDevicePointer(&dp, t->pinned_copy, 0));
     if ((uintptr_t)dp % kChunk)
         return fail(IBP_CUDA_E_CUDA, "pinned payload copy is not 16-byte aligned");
@@ -176,9 +183,10 @@ MetadataLayout metadata_layout(const ibp_table *h)
 {
     auto up = [](uint64_t x) { return (x + 255) / 256 * 256; };
     MetadataLayout l;
-    l.km = (uint64_t)h->cb.n_clusters * h->cb.n_words;
-    l.n_base = (h->n_rows >> 6) + 1;
-    l.n_rel = h->n_rows + 1;
+    const bool raw = h->cb.n_clusters == 0; /* no index; one cluster of zero masks */
+    l.km = (uint64_t)meta_clusters(h->cb.n_clusters) * h->cb.n_words;
+    l.n_base = raw ? 0 : (h->n_rows >> 6) + 1;
+    l.n_rel = raw ? 0 : h->n_rows + 1;
     l.o_masks = 0;
     l.o_bitvals = up(l.km * 8);
     l.o_vbits = l.o_bitvals + up(l.km * 8);
@@ -203,15 +211,22 @@ int upload_metadata(ibp_cuda_table *t, const ibp_table *h)
     uint8_t *vbits = (uint8_t *)malloc(km ? km : 1);
     if (!vbits)
         return fail(IBP_CUDA_E_NOMEM, "no host memory for %llu vbits", (unsigned long long)km);
+    const bool raw = cb.n_clusters == 0;
     for (uint64_t i = 0; i < km; i++)
-        vbits[i] = (uint8_t)(cb.word_bits - ibp_popcount64(cb.masks[i] & ibp_low_bits(cb.word_bits)));
+        vbits[i] = raw ? (uint8_t)cb.word_bits
+                       : (uint8_t)(cb.word_bits - ibp_popcount64(cb.masks[i] & ibp_low_bits(cb.word_bits)));
     cudaError_t e = cudaMemcpy(d + o_vbits, vbits, km, cudaMemcpyHostToDevice);
     free(vbits);
     IBPC_TRY(e);
-    IBPC_TRY(cudaMemcpy(d + o_masks, cb.masks, km * 8, cudaMemcpyHostToDevice));
-    IBPC_TRY(cudaMemcpy(d + o_bitvals, cb.bitvals, km * 8, cudaMemcpyHostToDevice));
-    IBPC_TRY(cudaMemcpy(d + o_base, h->block_base, n_base * 8, cudaMemcpyHostToDevice));
-    IBPC_TRY(cudaMemcpy(d + o_rel, h->rel, n_rel * h->rel_bytes, cudaMemcpyHostToDevice));
+    if (raw) { /* zero masks and bitvals; no index */
+        IBPC_TRY(cudaMemset(d + o_masks, 0, km * 8));
+        IBPC_TRY(cudaMemset(d + o_bitvals, 0, km * 8));
+    } else {
+        IBPC_TRY(cudaMemcpy(d + o_masks, cb.masks, km * 8, cudaMemcpyHostToDevice));
+        IBPC_TRY(cudaMemcpy(d + o_bitvals, cb.bitvals, km * 8, cudaMemcpyHostToDevice));
+        IBPC_TRY(cudaMemcpy(d + o_base, h->block_base, n_base * 8, cudaMemcpyHostToDevice));
+        IBPC_TRY(cudaMemcpy(d + o_rel, h->rel, n_rel * h->rel_bytes, cudaMemcpyHostToDevice));
+    }
     IBPC_TRY(cudaMemset(d + o_status, 0, sizeof(int)));
     t->dev.masks = (const uint64_t *)(void *)(d + o_masks);
     t->dev.bitvals = (const uint64_t *)(void *)(d + o_bitvals);
@@ -235,8 +250,8 @@ Geometry pick_geometry(const ibp_cuda_table *t, uint64_t extra, bool allow_direc
     const DevTable &d = t->dev;
     Geometry g = {};
     const uint64_t stage = stage_bytes_for(d.n_words, d.word_bits);
-    uint64_t meta = (uint64_t)d.n_clusters * d.n_words <= kMetaSmemMax
-                        ? meta_bytes_for(d.n_clusters, d.n_words) : kMetaSmemMax + 1;
+    const uint32_t k = meta_clusters(d.n_clusters);
+    uint64_t meta = (uint64_t)k * d.n_words <= kMetaSmemMax ? meta_bytes_for(k, d.n_words) : kMetaSmemMax + 1;
     if (meta > kMetaSmemMax)
         meta = 0;
     const uint64_t per_warp = 2 * stage + extra, optin = (uint64_t)t->smem_optin;
@@ -441,7 +456,8 @@ int ibp_cuda_table_create(const ibp_table *h, int device, int placement, ibp_cud
     if (!out)
         return fail(IBP_CUDA_E_ARG, "table_create: null output");
     *out = nullptr;
-    if (!h || !h->cb.masks || !h->cb.bitvals || !h->block_base || !h->rel || !h->payload)
+    if (!h || (h->cb.n_clusters && (!h->cb.masks || !h->cb.bitvals || !h->block_base || !h->rel)) ||
+        (h->payload_bytes && !h->payload))
         return fail(IBP_CUDA_E_ARG, "table_create: null table pointer");
     if (h->block_len)
         return fail(IBP_CUDA_E_ARG, "table_create: an updatable (store-mode) table cannot be "
@@ -452,9 +468,12 @@ int ibp_cuda_table_create(const ibp_table *h, int device, int placement, ibp_cud
     if (!cb.row_bytes || cb.n_words != (cb.row_bytes + cb.word_bits / 8 - 1) / (cb.word_bits / 8))
         return fail(IBP_CUDA_E_ARG, "table_create: %u words do not fit rows of %u bytes",
                     cb.n_words, cb.row_bytes);
-    if (cb.n_clusters < 1 || cb.n_clusters > 256)
-        return fail(IBP_CUDA_E_ARG, "table_create: %u clusters (1 to 256)", cb.n_clusters);
-    if (h->rel_bytes != 2 && h->rel_bytes != 4)
+    if (cb.n_clusters > 256)
+        return fail(IBP_CUDA_E_ARG, "table_create: %u clusters (1 to 256, or 0: raw)", cb.n_clusters);
+    if (cb.n_clusters == 0 && h->payload_bytes != h->n_rows * cb.row_bytes)
+        return fail(IBP_CUDA_E_ARG, "table_create: a raw table of %llu rows with %llu payload bytes",
+                    (unsigned long long)h->n_rows, (unsigned long long)h->payload_bytes);
+    if (cb.n_clusters && h->rel_bytes != 2 && h->rel_bytes != 4)
         return fail(IBP_CUDA_E_ARG, "table_create: rel entries of %u bytes", h->rel_bytes);
     if (h->n_rows > 0xfffffffeull)
         return fail(IBP_CUDA_E_ARG, "table_create: %llu rows; the CUDA path takes at most 2^32 - 2",

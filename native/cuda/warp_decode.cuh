@@ -50,7 +50,7 @@ __device__ __forceinline__ Meta load_meta(const DevTable &t, const Geometry &g, 
         m.vbits = t.vbits;
         return m;
     }
-    const uint32_t km = t.n_clusters * t.n_words;
+    const uint32_t km = meta_clusters(t.n_clusters) * t.n_words;
     uint64_t *masks = (uint64_t *)(void *)smem;
     uint64_t *bitvals = (uint64_t *)(void *)(smem + round_up(km * 8, kChunk));
     uint8_t *vbits = smem + 2 * round_up(km * 8, kChunk);
