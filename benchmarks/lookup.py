@@ -51,7 +51,7 @@ a fresh mapping, page-faulted at random, and FBGEMM's timings swung 3x with it:
 - "ibp lookup W{64,32} K{1,4}": CompressedTable.lookup per feature (ids and bag offsets
   sliced ahead of time), outputs concatenated like the TBE's; paired with "fbgemm TBE".
 - "ibp lookup_many W64 K1": every feature in one native call writing its columns of one
-  output (ibp_embed.table.lookup_many: what the IBP collection and the DMP kernel run),
+  output (ibp_embed.lookup_many: what the IBP collection and the DMP kernel run),
   the like-for-like pair of the TBE's forward; paired with "fbgemm TBE".
 - "ibp EBC W64 K{1,4}": IBPEmbeddingBagCollection forward on the KeyedJaggedTensor;
   paired with "torchrec FusedEBC".
@@ -94,7 +94,7 @@ import torch.nn.functional as F
 
 import ibp_embed
 from ibp_embed import _native, datasets
-from ibp_embed.table import lookup_many
+from ibp_embed.table import _lookup_many_checked
 
 from . import common
 
@@ -554,7 +554,7 @@ def run_table_set(ts: TableSet, workloads, args, log) -> dict:
         return lambda b: torch.cat([tab.lookup(ids, off) for tab, (ids, off) in zip(tabs, b.features)], dim=1)
 
     def lookup_many_fn(tabs):
-        return lambda b: lookup_many([(tab, ids, off, None, "sum") for tab, (ids, off) in zip(tabs, b.features)],
+        return lambda b: _lookup_many_checked([(tab, ids, off, None, "sum") for tab, (ids, off) in zip(tabs, b.features)],
                                      b.features[0][1].size - 1)
 
     for wb, k in IBP_VARIANTS:
@@ -728,7 +728,7 @@ def report(results, params) -> str:
     L.append("### Throughput per table set: M lookups/s (ratio vs its FBGEMM pair)")
     L.append("")
     L.append("ibp lookup = CompressedTable.lookup per feature, then torch.cat; ibp lookup_many = every feature in "
-             "one native call (ibp_embed.table.lookup_many, as the TBE's forward); both paired with fbgemm TBE "
+             "one native call (ibp_embed.lookup_many, as the TBE's forward); both paired with fbgemm TBE "
              "(HOST); ibp EBC = IBPEmbeddingBagCollection, paired with torchrec FusedEBC over the same TBE. `-`: "
              "FBGEMM has no CPU bf16 kernel.")
     L.append("")

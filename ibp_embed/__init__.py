@@ -1,7 +1,7 @@
 """ibp_embed: a lossless Invariant Bit Packing store for embedding tables."""
 from .codec import compress
 from .errors import FormatError, NativeLibraryError
-from .table import CompressedTable, load
+from .table import CompressedTable, load, lookup_many
 
 
 def release_thread_buffers() -> int:
@@ -16,5 +16,6 @@ def release_thread_buffers() -> int:
     return int(_native.lib.ibp_release_thread_buffers())
 
 
-__all__ = ["compress", "load", "CompressedTable", "FormatError", "NativeLibraryError", "release_thread_buffers"]
+__all__ = ["compress", "load", "lookup_many", "CompressedTable", "FormatError", "NativeLibraryError",
+           "release_thread_buffers"]
 __version__ = "0.1.0"

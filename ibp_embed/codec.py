@@ -90,10 +90,7 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
                key=lambda b: b.word_bits)
     if clusters > 1:
         book = _lloyd(sample, book, int(clusters), thresholds, rng, n_rows)
-    table = _encode_table(rows, dtype, dim, book, progress)
-    if allow_raw and table.nbytes >= n_rows * row_bytes:  # masks, index and pad outweigh the savings
-        return CompressedTable.raw(rows, dtype, dim, book.word_bits)
-    return table
+    return _encode_table(rows, dtype, dim, book, progress, allow_raw)
 
 
 class _Codebook:
@@ -332,7 +329,10 @@ def _estimate_nbytes(book: _Codebook, sample: np.ndarray, n_rows: int) -> float:
 
 
 def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codebook,
-                  progress: bool) -> CompressedTable:
+                  progress: bool, allow_raw: bool) -> CompressedTable:
+    """Every row sized, then encoded; or, with allow_raw, the raw table when the encoded
+    one (masks, index and tail pad included) would not be smaller (decided before
+    encoding: nothing is encoded in vain)."""
     n_rows, row_bytes = rows.shape
     ids = np.empty(n_rows, dtype=np.uint8)
     offsets = np.zeros(n_rows + 1, dtype=np.uint64)
@@ -343,6 +343,10 @@ def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codeboo
         offsets[lo + 1: hi + 1] = lengths
     np.cumsum(offsets, out=offsets)
     payload_bytes = int(offsets[-1])
+    encoded_nbytes = (payload_bytes + lib.ibp_tail_pad(row_bytes, book.word_bits) + index_nbytes(n_rows, row_bytes)
+                      + book.metadata_bytes())
+    if allow_raw and encoded_nbytes >= n_rows * row_bytes:  # masks, index and pad outweigh the savings
+        return CompressedTable.raw(rows, dtype, dim, book.word_bits)
     payload = np.zeros(payload_bytes + lib.ibp_tail_pad(row_bytes, book.word_bits), dtype=np.uint8)
     payload_p = _native.ptr(payload, "uint8_t *")
     for lo in tqdm(chunks, desc="encoding rows", unit="Mrow", disable=not progress):

@@ -189,9 +189,11 @@ def _check_header(h: dict, file_size: int, header_end: int, version: int) -> Non
         raise FormatError(f"malformed header: dtype {h['dtype']!r}")
     dtype = dtype_from_name(h["dtype"])
     w, k = _int(h["word_bits"], "word_bits"), _int(h["clusters"], "clusters")
-    if n < 0 or n >= 1 << 62 or d < 1 or w not in (16, 32, 64) or not (k == 0 and version >= 2 or 1 <= k <= 256):
-        raise FormatError(f"bad table description: shape {h['shape']}, word_bits {w}, clusters {k} "
-                          f"(format version {version})")
+    if k == 0 and version < 2:
+        raise FormatError(f"bad table description: clusters 0 (a raw table) needs format version 2, "
+                          f"the file says {version}")
+    if n < 0 or n >= 1 << 62 or d < 1 or w not in (16, 32, 64) or not 0 <= k <= 256:
+        raise FormatError(f"bad table description: shape {h['shape']}, word_bits {w}, clusters {k}")
     row_bytes = d * dtype.itemsize
     rel_bytes = lib.ibp_rel_bytes(row_bytes) if row_bytes < 1 << 32 else 0
     if rel_bytes == 0:
@@ -199,8 +201,8 @@ def _check_header(h: dict, file_size: int, header_end: int, version: int) -> Non
     m = -(-row_bytes // (w // 8))
     pb = _int(h["payload_bytes"], "payload_bytes")
     if pb < 0 or pb > n * row_bytes or (k == 0 and pb != n * row_bytes):
-        raise FormatError(f"bad table description: {pb} payload bytes for {n} rows of {row_bytes}"
-                          + (" stored raw" if k == 0 else ""))
+        raise FormatError(f"bad table description: {pb} payload bytes for {n} rows of {row_bytes} bytes"
+                          + (f" (a raw table has exactly {n * row_bytes})" if k == 0 else ""))
     if k == 0:  # a raw table: its rows, nothing else
         expect = {"masks": 0, "bitvals": 0, "block_base": 0, "rel": 0, "payload": pb}
     else:

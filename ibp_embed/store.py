@@ -38,7 +38,8 @@ class UpdatableTable(TableReads):
     def __init__(self, table: CompressedTable, *, repack_drift: float | None = 0.05,
                  codec_options: dict | None = None):
         """repack_drift: rebuild the masks automatically once the encoded rows have
-        grown by this fraction since the last (re)pack; None disables it.
+        grown by this fraction since the last (re)pack (a raw table, whose rows cannot
+        grow: once as many rows as it has were written); None disables it.
         codec_options: ibp_embed.compress options for repacks (default: word size
         chosen afresh, up to as many clusters as `table` has)."""
         if not isinstance(table, CompressedTable):
@@ -56,6 +57,7 @@ class UpdatableTable(TableReads):
     def _adopt_codebook(self, table: CompressedTable) -> None:
         self._book = _Codebook(self._row_bytes, table.word_bits, table.masks, table.bitvals)
         self._packed_live = max(self.info()["live_bytes"], 1)
+        self._written = 0  # rows written since, for a raw table
 
     # ---- description ----
     def info(self) -> dict:
@@ -144,7 +146,7 @@ class UpdatableTable(TableReads):
         with self._write_lock:
             _native.check(lib.ibp_store_update(self._store, _native.ptr(idx, "const int64_t *"), idx.size,
                                                _native.ptr(raw, "const uint8_t *")), "update")
-            self._maybe_repack()
+            self._maybe_repack(idx.size)
 
     def apply_gradients(self, optimizer: SparseOptimizer, state: dict, indices: np.ndarray,
                         offsets: np.ndarray, batch: int, grad: torch.Tensor, grad_cols,
@@ -182,7 +184,7 @@ class UpdatableTable(TableReads):
                 ffi.NULL if w is None else _native.ptr(w, "const float *"), _MODES[mode],
                 ffi.cast("const float *", grad.data_ptr()), grad.shape[1],
                 _native.ptr(cols, "const uint64_t *") if cols.size else ffi.NULL), "backward")
-            self._maybe_repack()
+            self._maybe_repack(idx.size)
 
     def apply_row_gradients(self, optimizer: SparseOptimizer, state: dict, ids: np.ndarray,
                             row_grads: torch.Tensor) -> None:
@@ -200,8 +202,15 @@ class UpdatableTable(TableReads):
         with self._write_lock:
             _native.check(lib.ibp_store_compact(self._store), "compact")
 
-    def _maybe_repack(self) -> None:
-        if self._repack_drift is not None and self.live_bytes > self._packed_live * (1 + self._repack_drift):
+    def _maybe_repack(self, written: int) -> None:
+        """written: ids just written (an upper bound on the rows)."""
+        if self._repack_drift is None:
+            return
+        if self._book.clusters == 0:  # raw rows cannot grow: try encoding again after a table's worth
+            self._written += written
+            if self._written >= self._shape[0]:
+                self._repack()
+        elif self.live_bytes > self._packed_live * (1 + self._repack_drift):
             self._repack()
 
     def repack(self) -> None:

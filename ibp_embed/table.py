@@ -73,6 +73,10 @@ class TableReads:
         scaled by per_sample_weights when given; "mean" divides by the bag size
         (an empty bag gives zeros). Returns a [B, D] float32 tensor.
         """
+        return self._lookup_checked(*self._lookup_args(indices, offsets, per_sample_weights, mode), mode)
+
+    def _lookup_args(self, indices, offsets, per_sample_weights, mode: str):
+        """lookup()'s checks; (ids, offsets, weights or None) as the native call takes them."""
         if self._dtype not in LOOKUP_DTYPES:
             raise TypeError(f"pooled lookup needs a float32, float16 or bfloat16 table, not {self._dtype}")
         if not isinstance(mode, str) or mode not in _MODES:
@@ -95,7 +99,7 @@ class TableReads:
             if _ndim(per_sample_weights) != 1 or w.shape != idx.shape:
                 raise ValueError(f"per_sample_weights must be 1-D like indices {idx.shape}, got shape "
                                  f"{tuple(np.shape(per_sample_weights))}")
-        return self._lookup_checked(idx, off, w, mode)
+        return idx, off, w
 
     def _lookup_checked(self, idx: np.ndarray, off: np.ndarray, w, mode: str) -> torch.Tensor:
         """The native pooled lookup, for callers that already ran lookup()'s checks
@@ -113,7 +117,45 @@ class TableReads:
         return out
 
 
-def lookup_many(jobs, n_bags: int, what=None) -> torch.Tensor:
+def lookup_many(tables, indices, offsets, per_sample_weights=None, mode="sum") -> torch.Tensor:
+    """Pooled lookups of several tables over one batch, as FBGEMM's TBE forward does them.
+
+    Table t pools its bags from indices[t] and offsets[t] exactly as
+    ``tables[t].lookup(indices[t], offsets[t], ...)`` would, every table with the same
+    number of bags B; its sums fill columns [D_0 + .. + D_{t-1}, + D_t) of one
+    [B, sum of dims] float32 tensor. per_sample_weights: None, or one entry per table
+    (None or that table's weights); mode: "sum" / "mean" for all, or one per table.
+    CompressedTables run in one native call that spreads all their bags over the
+    threads (faster than one lookup per table); bad arguments raise what lookup()
+    raises, naming the table.
+    """
+    tables = list(tables)
+    n = len(tables)
+    modes = [mode] * n if isinstance(mode, str) else list(mode)
+    weights = [None] * n if per_sample_weights is None else list(per_sample_weights)
+    indices, offsets = list(indices), list(offsets)
+    if not len(indices) == len(offsets) == len(weights) == len(modes) == n:
+        raise ValueError(f"{n} tables need {n} indices, offsets, per_sample_weights and modes; got "
+                         f"{len(indices)}, {len(offsets)}, {len(weights)}, {len(modes)}")
+    jobs = []
+    for k, t in enumerate(tables):
+        if not isinstance(t, TableReads):
+            raise TypeError(f"table {k}: a CompressedTable or UpdatableTable, not {type(t).__name__}")
+        try:
+            jobs.append((t, *t._lookup_args(indices[k], offsets[k], weights[k], modes[k]), modes[k]))
+        except (TypeError, ValueError, IndexError) as e:
+            raise type(e)(f"table {k}: {e}") from None
+    bags = {off.size - 1 for _, _, off, _, _ in jobs}
+    if len(bags) > 1:
+        raise ValueError(f"every table needs the same number of bags, got {sorted(bags)}")
+    b = bags.pop() if bags else 0
+    if all(isinstance(t, CompressedTable) for t, *_ in jobs):
+        return _lookup_many_checked(jobs, b, lambda k: f"table {k}")
+    outs = [t._lookup_checked(idx, off, w, m) for t, idx, off, w, m in jobs]
+    return torch.cat(outs, dim=1) if outs else torch.empty((b, 0), dtype=torch.float32)
+
+
+def _lookup_many_checked(jobs, n_bags: int, what=None) -> torch.Tensor:
     """Pooled lookups of several CompressedTables over one batch, in one native call:
     [n_bags, sum of dims] float32, job after job along the columns (as FBGEMM's TBE
     fills its output). jobs: [(table, ids, bag offsets [n_bags + 1], weights or None,
@@ -185,9 +227,9 @@ class CompressedTable(TableReads):
         index_shape = ((0,), (0,)) if raw else ((n_rows // 64 + 1,), (n_rows + 1,))
         if (block_base.shape, rel.shape) != index_shape or rel.dtype.itemsize != rel_bytes:
             raise FormatError("the offsets index does not match the table's shape")
-        if raw and payload_bytes != n_rows * row_bytes:
-            raise FormatError(f"a raw table of {n_rows} rows of {row_bytes} bytes has "
-                              f"{n_rows * row_bytes} payload bytes, not {payload_bytes}")
+        if raw and payload_bytes != n_rows * row_bytes or raw and payload.shape[0] > payload_bytes:
+            raise FormatError(f"a raw table of {n_rows} rows of {row_bytes} bytes has exactly "
+                              f"{n_rows * row_bytes} payload bytes, not {payload_bytes} ({payload.shape[0]} given)")
         if payload.shape[0] < payload_bytes + (0 if raw else lib.ibp_tail_pad(row_bytes, self._word_bits)):
             raise FormatError("the payload is shorter than its rows and tail padding")
         self._masks, self._bitvals = masks, bitvals
@@ -250,7 +292,7 @@ class CompressedTable(TableReads):
                    masks=np.zeros((0, n_words), np.uint64), bitvals=np.zeros((0, n_words), np.uint64),
                    block_base=np.zeros(0, np.uint64), rel=np.zeros(0, rel_dtype),
                    payload=np.array(rows, dtype=np.uint8, order="C").reshape(-1),
-                   payload_bytes=n_rows * row_bytes, validate=False)
+                   payload_bytes=n_rows * row_bytes)
 
     @property
     def nbytes(self) -> int:

@@ -724,7 +724,10 @@ _GUARD_SCRIPT = textwrap.dedent(r"""
     # raw tables: no tail pad, so their rows must be read exactly (the last one ends at the guard)
     tables.append(ibp_embed.compress(x[:9]))
     tables.append(ibp_embed.compress(x[:7].to(torch.float16)[:, :3].contiguous(), word_bits=64))
-    assert [t.is_raw for t in tables] == [False, False, False, True, True]
+    wide = (torch.randn(8, 40, generator=g) * 10.0 ** torch.randint(-20, 20, (8, 40), generator=g)).float()
+    tables.append(ibp_embed.compress(wide))  # vector pooling (16 floats a load) up to the guard
+    tables.append(ibp_embed.compress(wide[:, :24].to(torch.bfloat16)))
+    assert [t.is_raw for t in tables] == [False, False, False, True, True, True, True]
     total = 0
     kernels = [isa for isa in (0, 1, 2) if isa <= lib.ibp_isa()]
     for isa in kernels:

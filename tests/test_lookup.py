@@ -255,7 +255,7 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
     columns of one [B, sum of dims] output: every column block must equal that
     table's own lookup bit for bit (dtypes, dims, weights, MEAN, empty bags, tables
     small and large enough to deduplicate), and errors name the failing job."""
-    from ibp_embed.table import lookup_many
+    from ibp_embed.table import _lookup_many_checked as lookup_many
 
     from ibp_embed.datasets import zipf_ids
 
@@ -293,3 +293,38 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
         lookup_many([(t, ids[:-1], off, None, mode)], b)
     with pytest.raises(TypeError, match="int64"):
         lookup_many([(t, ids.astype(np.int32), off, w, mode)], b)
+
+
+def test_public_lookup_many_matches_per_table_lookups():
+    """ibp_embed.lookup_many: lookup()'s arguments per table, one [B, sum of dims] output
+    (one native call for packed tables, table by table with an updatable one), errors
+    naming the table."""
+    from ibp_embed.store import UpdatableTable
+
+    g = torch.Generator().manual_seed(41)
+    b = 300
+    tables = [ibp_embed.compress((torch.randn(n, d, generator=g) * 0.1).to(dt))
+              for n, d, dt in ((5000, 16, torch.float32), (12, 8, torch.bfloat16), (800, 4, torch.float16))]
+    ids = [torch.randint(0, t.shape[0], (b * 3,), generator=g) for t in tables]
+    offs = [torch.arange(0, b * 3 + 1, 3)] * 3
+    psw = [None, torch.rand(b * 3, generator=g), None]
+    modes = ["sum", "mean", "mean"]
+    want = torch.cat([t.lookup(i, o, w, mode=m) for t, i, o, w, m in zip(tables, ids, offs, psw, modes)], dim=1)
+    assert torch.equal(ibp_embed.lookup_many(tables, ids, offs, psw, modes), want)
+    mixed = [tables[0], UpdatableTable(tables[1], repack_drift=None), tables[2]]
+    assert torch.equal(ibp_embed.lookup_many(mixed, ids, offs, psw, modes), want)
+    assert torch.equal(ibp_embed.lookup_many(tables[:1], [ids[0].tolist()], [offs[0].numpy()]),
+                       tables[0].lookup(ids[0], offs[0]))
+    assert ibp_embed.lookup_many([], [], []).shape == (0, 0)
+    bad = ids[2].clone()
+    bad[7] = 800
+    with pytest.raises(IndexError, match="table 2: row index 800"):
+        ibp_embed.lookup_many(tables, ids[:2] + [bad], offs, psw, modes)
+    with pytest.raises(ValueError, match="same number of bags"):
+        ibp_embed.lookup_many(tables[:2], ids[:2], [offs[0], torch.arange(0, b * 3 + 1, 5)[:-1].tolist() + [b * 3]])
+    with pytest.raises(ValueError, match="3 tables need 3"):
+        ibp_embed.lookup_many(tables, ids[:2], offs)
+    with pytest.raises(ValueError, match="table 1: mode"):
+        ibp_embed.lookup_many(tables, ids, offs, mode=["sum", "max", "sum"])
+    with pytest.raises(TypeError, match="table 0: a CompressedTable"):
+        ibp_embed.lookup_many([torch.zeros(3, 3)], [[0]], [[0, 1]])

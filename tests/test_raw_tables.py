@@ -17,7 +17,7 @@ from ibp_embed import CompressedTable, FormatError, io, ops
 from ibp_embed import reference as ref
 from ibp_embed._native import lib
 from ibp_embed.store import UpdatableTable
-from ibp_embed.table import lookup_many
+from ibp_embed.table import _lookup_many_checked
 
 from helpers import (ALL_DTYPES, LOOKUP_DTYPES, WORD_BITS, assert_bits_equal, random_bits, structured,
                      table_sections, to_bytes, write_ibp)
@@ -105,7 +105,7 @@ def test_raw_lookup_refuses_out_of_range_ids():
             t.gather([bad])
     jobs = [(t, np.array([3, 9], np.int64), np.array([0, 1, 2], np.int64), None, "sum")]
     with pytest.raises(IndexError, match="feature x"):
-        lookup_many(jobs, 2, what=lambda k: "feature x")
+        _lookup_many_checked(jobs, 2, what=lambda k: "feature x")
 
 
 def test_lookup_many_mixes_raw_and_encoded_tables():
@@ -116,7 +116,7 @@ def test_lookup_many_mixes_raw_and_encoded_tables():
     g = torch.Generator().manual_seed(6)
     ids_a, ids_b = torch.randint(0, 20, (64,), generator=g).numpy(), torch.randint(0, 500, (64,), generator=g).numpy()
     off = np.arange(0, 65, 4, dtype=np.int64)
-    out = lookup_many([(raw, ids_a, off, None, "sum"), (enc, ids_b, off, None, "mean")], 16)
+    out = ibp_embed.lookup_many([raw, enc], [ids_a, ids_b], [off, off], mode=["sum", "mean"])
     assert_bits_equal(out[:, :8].contiguous(), raw.lookup(ids_a, off))
     assert_bits_equal(out[:, 8:].contiguous(), enc.lookup(ids_b, off, mode="mean"))
 
@@ -145,10 +145,14 @@ def test_bad_raw_tables_are_refused():
                 bitvals=np.zeros((0, m), np.uint64), block_base=np.zeros(0, np.uint64), rel=np.zeros(0, np.uint16),
                 payload=to_bytes(w).reshape(-1).copy(), payload_bytes=160)
     CompressedTable(**base)
-    with pytest.raises(FormatError, match="160 payload bytes, not 150"):
+    with pytest.raises(FormatError, match="exactly 160 payload bytes, not 150"):
         CompressedTable(**dict(base, payload_bytes=150))
     with pytest.raises(FormatError, match="shorter"):
         CompressedTable(**dict(base, payload=base["payload"][:-1]))
+    with pytest.raises(FormatError, match="161 given"):  # nbytes would count bytes the file cannot hold
+        CompressedTable(**dict(base, payload=np.zeros(161, np.uint8)))
+    with pytest.raises(FormatError):
+        CompressedTable.raw(to_bytes(w), torch.float32, 4, word_bits=8)
     with pytest.raises(FormatError, match="index"):
         CompressedTable(**dict(base, block_base=np.zeros(1, np.uint64)))
 
@@ -201,12 +205,12 @@ def test_versions(tmp_path):
     _, raw = _raw()
     header, secs = table_sections(raw)
     write_ibp(tmp_path / "r1.ibp", header, secs, version=1)
-    with pytest.raises(FormatError, match="clusters 0 \\(format version 1\\)"):
+    with pytest.raises(FormatError, match="clusters 0 \\(a raw table\\) needs format version 2"):
         ibp_embed.load(tmp_path / "r1.ibp")
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"payload_bytes": 9 * 48 - 1}, "stored raw"),
+    ({"payload_bytes": 9 * 48 - 1}, "a raw table has exactly 432"),
     ({"sections_masks": b"\0" * 48}, "section masks"),
     ({"sections_rel": b"\0" * 20}, "section rel"),
     ({"sections_payload": b"\0" * (9 * 48 + 1)}, "section payload"),
@@ -268,3 +272,50 @@ def test_updatable_raw_table():
     u.repack()
     assert u.clusters >= 1 and u.to_table().nbytes < u.raw_nbytes
     assert_bits_equal(u.decompress(), smooth)
+
+
+def test_trained_rows_checkpoint_raw_when_masks_no_longer_pay():
+    """to_table() (checkpoints) stores the rows raw once training moved them off the masks."""
+    w = structured(60, 16, torch.float32, seed=14)
+    u = UpdatableTable(ibp_embed.compress(w), repack_drift=None)
+    assert u.clusters >= 1 and u.to_table().nbytes < u.raw_nbytes
+    noise = _raw(60, 16, seed=15)[0]
+    u.update(np.arange(60), noise)
+    packed = u.to_table()
+    assert packed.is_raw and u.packed_nbytes == packed.nbytes == u.raw_nbytes
+    assert_bits_equal(packed.decompress(), noise)
+
+
+def test_raw_store_tries_encoding_again_after_a_tables_worth_of_writes():
+    """A raw store cannot grow, so the drift trigger cannot fire: it repacks once as many
+    rows as it has were written, and encodes when that pays."""
+    _, t = _raw(50, 8, seed=16)
+    u = UpdatableTable(t, repack_drift=0.05)
+    smooth = (1.5 + torch.arange(50 * 8).reshape(50, 8) * 1e-6).float()
+    u.update(np.arange(25), smooth[:25])
+    assert u.clusters == 0  # half the table written: no repack yet
+    u.update(np.arange(25, 50), smooth[25:])
+    assert u.clusters >= 1 and u.to_table().nbytes < u.raw_nbytes
+    assert_bits_equal(u.decompress(), smooth)
+
+
+def test_embedding_bag_modules_keep_raw_and_empty_tables():
+    """IBPEmbeddingBag over a raw table and over a 0-row one (raw: no bytes at all, as a
+    row-wise shard with no rows is): forward, deepcopy and .to("cpu") keep them."""
+    import copy
+
+    from ibp_embed.torchrec.embedding_bag import IBPEmbeddingBag
+
+    w, t = _raw(5, 8, seed=17)
+    empty = ibp_embed.compress(torch.empty(0, 4))
+    assert empty.is_raw and empty.nbytes == 0
+    small = IBPEmbeddingBag(5, 8, torch.float32, "sum", t, {}, name="small")
+    none = IBPEmbeddingBag(0, 4, torch.float32, "mean", empty, {}, name="none")
+    ids, off = torch.tensor([0, 4, 4, 2]), torch.tensor([0, 2, 3, 4])
+    want = torch.stack([w[[0, 4]].sum(0), w[4], w[2]])
+    no_ids = torch.empty(0, dtype=torch.int64)
+    for bag in (small, copy.deepcopy(small), small.to("cpu")):
+        assert bag.table is not None and torch.equal(bag(ids, off), want)
+    for bag in (none, copy.deepcopy(none), none.to("cpu")):
+        assert bag.table is not None and bag.weight.shape == (0, 4) and bag.weight.device.type == "cpu"
+        assert torch.equal(bag(no_ids, torch.zeros(4, dtype=torch.int64)), torch.zeros(3, 4))

@@ -161,7 +161,7 @@ class IBPEmbeddingBag(nn.Module):
             if torch.jit.is_scripting():
                 raise RuntimeError(what + " is on cuda: its lookups run eagerly (script the module on the CPU)")
             return self._device_lookup(input, offsets, per_sample_weights, what)
-        if self.payload.numel() == 0 and input.device.type != "meta":
+        if self.masks.dim() != 2 and input.device.type != "meta":  # no packed table (a raw one may have no bytes)
             if not torch.jit.is_scripting():
                 raise RuntimeError(what + self._no_table_reason())
             raise RuntimeError(what + " holds no packed table")
@@ -202,7 +202,7 @@ class IBPEmbeddingBag(nn.Module):
         dev = self.payload.device
         if isinstance(self._table, UpdatableTable) and dev.type == "cpu":
             return self
-        if dev.type == "meta" or self.payload.numel() == 0:
+        if dev.type == "meta" or self.masks.dim() != 2:
             self._table = None  # moved to meta, or materialised empty (to_empty): load weights next
         elif self._table is None or self._table._payload.ctypes.data != self.payload.data_ptr():
             self._table = table_from_tensors(self._buffers, self.meta, self.dtype)
@@ -224,7 +224,7 @@ class IBPEmbeddingBag(nn.Module):
         if packed is not None:
             self._table = UpdatableTable(table_from_tensors(packed, packed["meta"], self.dtype),
                                          repack_drift=self._repack_drift, codec_options=self._codec_options)
-        elif self.payload.device.type == "cpu" and self.payload.numel():
+        elif self.payload.device.type == "cpu" and self.masks.dim() == 2:
             self._table = table_from_tensors(self._buffers, self.meta, self.dtype)
         self._place_table()
 

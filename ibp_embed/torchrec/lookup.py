@@ -13,7 +13,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
-from ..table import CompressedTable, lookup_many
+from ..table import CompressedTable, _lookup_many_checked
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
 CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress", "allow_raw")
@@ -177,7 +177,7 @@ def run_lookup_jobs(jobs, b: int, who: str) -> torch.Tensor:
     leaves nothing changed; the IndexError names it."""
     try:
         if all(isinstance(s.table, CompressedTable) for s, *_ in jobs):
-            return lookup_many([(s.table, ids, bag_off, ws, s.mode) for s, ids, bag_off, ws in jobs], b,
+            return _lookup_many_checked([(s.table, ids, bag_off, ws, s.mode) for s, ids, bag_off, ws in jobs], b,
                                lambda k: f"{who}: feature {jobs[k][0].feature!r} of table {jobs[k][0].table_name!r}")
         outs = [s.table._lookup_checked(ids, bag_off, ws, s.mode) for s, ids, bag_off, ws in jobs]
         return torch.cat(outs, dim=1) if outs else torch.empty((b, 0), dtype=torch.float32)
