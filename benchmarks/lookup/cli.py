@@ -1,0 +1,124 @@
+"""Command line: the plan of table sets and workloads, the arguments, and main()."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+import time
+
+from .. import common
+from .codec_sizes import zipnn_available
+from .names import DTYPES, FBGEMM, HEADLINE, IBP_VARIANTS
+from .plot import plot
+from .report import check_targets, format_targets, report
+from .run import run_table_set
+from .tables import TableSet, criteo_rows, trained_table_sets
+from .workloads import CENTER, QUICK_SWEEP, SWEEP, UNIFORM, Workload
+
+
+def plan(args) -> list[tuple[TableSet, list[Workload]]]:
+    rows = criteo_rows(args.scale)
+    sets = []
+    if args.quick:
+        combos = [("fp32", 128, "torchrec"), ("fp32", 128, "trained"), ("fp16", 64, "torchrec"),
+                  ("bf16", 64, "trained")]
+    else:
+        combos = [(dt, d, init) for init in ("torchrec", "trained") for dt in ("fp32", "fp16", "bf16")
+                  for d in (128, 64)]
+    combos = [c for c in combos if c[0] in args.dtypes and c[1] in args.dims and c[2] in args.inits]
+    for dt, d, init in combos:
+        ts = TableSet(name=f"criteo-{dt}-d{d}-{init}", init=init, dtype=DTYPES[dt], dims=[d] * len(rows), rows=rows)
+        works = [CENTER, UNIFORM]
+        if dt == "fp32" and d == 128:
+            if args.all_threads != args.threads and (init == "torchrec" or not args.quick):
+                works.append(dataclasses.replace(CENTER, threads=args.all_threads))
+            if not args.no_sweep and (init == "torchrec" or not args.quick):
+                works += list(QUICK_SWEEP if args.quick else SWEEP)
+        sets.append((ts, works))
+    if args.trained_tables:
+        for ts in trained_table_sets(args.trained_tables):
+            sets.append((ts, [CENTER, UNIFORM]))
+    return sets
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lookup", description=sys.modules[__package__].__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small subset (under 2 minutes on 2 cores)")
+    p.add_argument("--scale", type=float, help="Criteo Kaggle cardinality scale (default 0.05; --quick 0.01)")
+    p.add_argument("--dims", default="128,64")
+    p.add_argument("--dtypes", default="fp32,fp16,bf16")
+    p.add_argument("--inits", default="torchrec,trained")
+    p.add_argument("--trained-tables", metavar="DIR", help="also benchmark the .ibp / .pt tables found here")
+    p.add_argument("--no-sweep", action="store_true", help="center and uniform workloads only")
+    p.add_argument("--batches", type=int, help="distinct batches per timed pass (default 2; --quick 1)")
+    p.add_argument("--repeats", type=int, help="timed passes, median reported (default 5; --quick 3)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads for torch and libibp in the timings (default 1; the fp32 d128 center "
+                        "workload also runs on all usable CPUs)")
+    p.add_argument("--codec-sample", type=int, help="rows per table sampled for per-row zstd/lz4 "
+                   "(default 8192; --quick 2048)")
+    p.add_argument("--no-zipnn", action="store_true", help="skip zipnn even if installed")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-json", action="store_true", help="write neither the JSON nor the PNG")
+    a = p.parse_args(argv)
+    a.scale = a.scale or (0.01 if a.quick else 0.03)
+    a.batches = a.batches or (1 if a.quick else 2)
+    a.repeats = a.repeats or (3 if a.quick else 5)
+    a.codec_sample = a.codec_sample or (2048 if a.quick else 8192)
+    a.all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    a.dims = [int(x) for x in a.dims.split(",")]
+    a.dtypes = a.dtypes.split(",")
+    a.inits = a.inits.split(",")
+    for x in a.dtypes:
+        if x not in DTYPES:
+            p.error(f"--dtypes: {x!r} is not one of {list(DTYPES)}")
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stamp = common.utc_stamp()
+    t_start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    params = {k: v for k, v in vars(args).items() if k not in ("no_json",)}
+    params.update(steady_allocations=common.steady_allocations(),
+                  started_utc=stamp, machine=common.machine_info(), load_average_start=common.load_average(),
+                  zipnn_version=None if args.no_zipnn else zipnn_available(),
+                  workloads_center=CENTER.name, headline_pair=f"{HEADLINE} vs {FBGEMM}",
+                  ibp_variants=[f"W{w} K{k}" for w, k in IBP_VARIANTS],
+                  host_bytes_model="FBGEMM UVM: ids x raw row bytes; ibp: per feature, distinct ids x (stored "
+                                   "row length + 8-byte block base + 2 rel entries); computed from the batches, "
+                                   "not measured")
+    if params["zipnn_version"] is None and not args.no_zipnn:
+        log("zipnn does not import: its column is skipped (pip install zipnn)")
+    sets = plan(args)
+    log(f"{len(sets)} table sets, {sum(len(w) for _, w in sets)} (table set, workload) pairs, scale {args.scale:g}, "
+        f"timings on {args.threads} thread(s), load average {params['load_average_start']}")
+    results = []
+    with common.threads(args.all_threads):  # encoding and codecs on all CPUs; each timing sets its own
+        for i, (ts, works) in enumerate(sets, 1):
+            log(f"[{i}/{len(sets)}] {ts.label}: {len(ts.rows)} tables, {sum(ts.rows):,} rows, "
+                f"{ts.raw_bytes / 2**20:.0f} MiB raw")
+            r = run_table_set(ts, works, args, log)
+            gc.collect()
+            log(f"  done in {r['wall_s']:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in r["phases_s"].items()) + ")")
+            results.append(r)
+    params["load_average_end"] = common.load_average()
+    params["wall_s"] = time.perf_counter() - t_start
+    targets = check_targets(results, params["machine"])
+    text = report(results, params) + "\n" + format_targets(targets) + \
+        f"\n\nWall time {params['wall_s']:.0f} s; load average at the end {params['load_average_end']}."
+    print(text)
+    if not args.no_json:
+        path = common.write_json({"benchmark": "lookup", "params": params, "results": results, "targets": targets,
+                                  "markdown": text}, "lookup", stamp)
+        png = plot(results, common.RESULTS_DIR / f"lookup-{stamp}.png")
+        print(f"\nresults: {path.relative_to(common.ROOT)}" +
+              (f", plot: {png.relative_to(common.ROOT)}" if png else ""))
+    return 0
+
