@@ -9,7 +9,7 @@
 #      where `import torchrec` then works, else the log says why they were skipped);
 #   2. build libibp.so and libibp_cuda.so with that machine's compilers, without
 #      -Werror (`make WERROR=`: its gcc may warn where CI's does not);
-#   3. the GPU tests: pytest -m gpu tests/test_cuda.py (+ tests/test_torchrec_cuda.py);
+#   3. the GPU tests: pytest -m gpu tests/test_cuda_gpu.py (+ tests/test_torchrec_cuda.py);
 #   4. compute-sanitizer memcheck and racecheck on a small case (benchmarks/gpu_sanitize.py);
 #   5. the benchmark (benchmarks/gpu_lookup.py), its table printed last.
 # Exit status 0 only if every step passed.
@@ -133,7 +133,7 @@ fi
 ts "built: $(ls -la native/build/libibp.so native/build/libibp_cuda.so | awk '{print $5, $9}' | tr '\n' ' ')"
 
 # ---- 3. GPU tests ----
-TESTS=(tests/test_cuda.py)
+TESTS=(tests/test_cuda_gpu.py)  # the gpu-marked tests of the CUDA path (not the TorchRec ones)
 if [ ! -f tests/test_torchrec_cuda.py ]; then
     ts "tests/test_torchrec_cuda.py does not exist: TorchRec GPU tests not run"
 elif [ "$TORCHREC" = 1 ]; then

@@ -1,6 +1,6 @@
 """The raw-row baseline kernel of libibp_cuda (ibp_cuda_raw_lookup) and its host
 emulation, from Python: the UVM stand-in of the GPU benchmark (benchmarks/gpu_lookup.py),
-and of tests/test_cuda.py.
+and of the CUDA tests (tests/test_cuda_emulation.py, tests/test_cuda_gpu.py).
 
 ibp_cuda_raw_lookup pools raw (uncompressed) rows with the IBP fused lookup's kernel
 structure and arithmetic, without decoding: rows in pinned host memory are read

@@ -36,8 +36,9 @@ namespace ibpcuda {
 /* Launch bounds of the row kernels: 256 threads, at least 4 blocks an SM, i.e. at
  * most 64 registers a thread and 32 resident warps an SM, each with a row copy in
  * flight (latency hiding for PCIe reads). ptxas fits the kernels in 64 registers
- * without spills at these bounds (tests/test_cuda.py checks the spill counts);
- * without the minimum-blocks hint it chose 64 registers by itself and spilled. */
+ * without spills at these bounds (tests/test_cuda_library.py checks the spill
+ * counts); without the minimum-blocks hint it chose 64 registers by itself and
+ * spilled. */
 #define IBPC_ROW_KERNEL_BOUNDS __launch_bounds__(256, 4)
 
 /* Copy the codebook into shared memory (block-wide) when the geometry says so. */
