@@ -58,7 +58,7 @@ static int check_backward(const store *s, const ibp_sparse_optim *o, int dtype, 
         return IBP_E_ARG;
     if (o->kind != IBP_OPT_SGD && o->kind != IBP_OPT_ADAGRAD && o->kind != IBP_OPT_ROWWISE_ADAGRAD)
         return IBP_E_ARG;
-    if (o->kind != IBP_OPT_SGD && !o->momentum1)
+    if (o->kind != IBP_OPT_SGD && !o->momentum1 && s->view.n_rows) /* a table of no rows has no state */
         return IBP_E_ARG;
     if (o->weight_decay_mode < IBP_WD_NONE || o->weight_decay_mode > IBP_WD_DECOUPLE ||
         (o->weight_decay_mode != IBP_WD_NONE && o->kind != IBP_OPT_ROWWISE_ADAGRAD))

@@ -2,7 +2,8 @@
 
 Each rank builds the same model twice under DMP with the same hand-built plan, once with
 every table on TorchRec's ``fused`` kernel (FBGEMM TBE, HOST) and once with every table
-on the IBP kernel: row-wise (SUM and MEAN), table-row-wise, table-wise (a table read by
+on the IBP kernel: row-wise (SUM and MEAN; a 2-row table stored raw, which on 3 ranks
+leaves one rank a shard of no rows), table-row-wise, table-wise (a table read by
 two features), column-wise and table-column-wise tables, plain and weighted. Both train
 on the same batches with the same fused optimizer (from the sharder's fused_params) and
 must give bit-identical pooled outputs at every step (each carrying all earlier
@@ -38,6 +39,7 @@ TABLES = [  # name, rows, dim, features, pooling
     ("t_cw", 40, 16, ["e"], PoolingType.SUM),
     ("t_twrw", 70, 8, ["f"], PoolingType.SUM),
     ("t_twcw", 30, 16, ["g"], PoolingType.MEAN),
+    ("t_rw_tiny", 2, 8, ["h"], PoolingType.SUM),  # raw (too few rows for masks); on 3 ranks a shard has none
 ]
 WTABLES = [("w_rw", 45, 8, ["p"], PoolingType.SUM), ("w_tw", 33, 4, ["q", "r"], PoolingType.SUM)]
 
@@ -104,7 +106,7 @@ def plan(world, kernel):
     col_ranks = [0, 0] if world == 1 else [0, 1]
     per = {"ebc": {"t_rw": row_wise(), "t_rw_mean": row_wise(), "t_tw": table_wise(rank=last),
                    "t_cw": column_wise(ranks=col_ranks), "t_twrw": table_row_wise(host_index=0),
-                   "t_twcw": column_wise(ranks=col_ranks)},  # made table_column_wise below
+                   "t_twcw": column_wise(ranks=col_ranks), "t_rw_tiny": row_wise()},  # t_twcw: table_column_wise below
            "wbc": {"w_rw": row_wise(), "w_tw": table_wise(rank=0)}}
     out = {}
     for name, ps in per.items():
