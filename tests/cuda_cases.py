@@ -17,7 +17,7 @@ import ibp_embed
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks.gpu_lookup: the raw kernel's Python wrappers
+    sys.path.insert(0, str(ROOT))  # benchmarks.raw_baseline: the raw kernel's Python wrappers
 CUDA_DIR = ROOT / "native" / "cuda"
 
 
