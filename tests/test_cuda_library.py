@@ -148,7 +148,7 @@ def test_tail_pad_is_the_formats_one_and_the_cuda_code_shares_it():
         text = src.read_text()
         assert "+ 17" not in text and not re.search(r"\btail_pad\s*\(", text), src.name
     uses = [p.name for p in CUDA_DIR.glob("*.cu") if "ibp_tail_pad_bytes(" in p.read_text()]
-    assert sorted(uses) == ["emulate.cu", "ibp_cuda_api.cu"]
+    assert sorted(uses) == ["emulate.cu", "ibp_cuda_api.cu", "placement.cu"]
 
 
 # ---- the build on other machines, and the GPU check script ----

@@ -49,6 +49,14 @@ int cuda_fail(cudaError_t e, const char *what, const char *file, int line);
             return ::ibpcuda::cuda_fail(e_, what, __FILE__, __LINE__);            \
     } while (0)
 
+/* Table placement (placement.cu). upload_metadata: the codebook, offsets index
+ * and status word to one device block. place_payload: the payload as a device
+ * copy, registered in place or a pinned, mapped copy (IBP_CUDA_PAYLOAD_*).
+ * release_registration: drop a table's reference to a host range it registered. */
+int upload_metadata(ibp_cuda_table *t, const ibp_table *h);
+int place_payload(ibp_cuda_table *t, const uint8_t *p, int placement);
+void release_registration(const void *p);
+
 /* The error code (and message) of a status word the kernels wrote; OK for 0. */
 int status_error(int status);
 
