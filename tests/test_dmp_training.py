@@ -2,8 +2,7 @@
 
 Each rank builds the same model twice under DMP with the same hand-built plan, once with
 every table on TorchRec's ``fused`` kernel (FBGEMM TBE, HOST) and once with every table
-on the IBP kernel: row-wise (SUM and MEAN; a 2-row table stored raw, which on 3 ranks
-leaves one rank a shard of no rows), table-row-wise, table-wise (a table read by
+on the IBP kernel: row-wise (SUM and MEAN; a 3-row table stored raw), table-row-wise, table-wise (a table read by
 two features), column-wise and table-column-wise tables, plain and weighted. Both train
 on the same batches with the same fused optimizer (from the sharder's fused_params) and
 must give bit-identical pooled outputs at every step (each carrying all earlier
@@ -39,7 +38,7 @@ TABLES = [  # name, rows, dim, features, pooling
     ("t_cw", 40, 16, ["e"], PoolingType.SUM),
     ("t_twrw", 70, 8, ["f"], PoolingType.SUM),
     ("t_twcw", 30, 16, ["g"], PoolingType.MEAN),
-    ("t_rw_tiny", 2, 8, ["h"], PoolingType.SUM),  # raw (too few rows for masks); on 3 ranks a shard has none
+    ("t_rw_tiny", 3, 8, ["h"], PoolingType.SUM),  # stored raw: too few rows for masks
 ]
 WTABLES = [("w_rw", 45, 8, ["p"], PoolingType.SUM), ("w_tw", 33, 4, ["q", "r"], PoolingType.SUM)]
 
