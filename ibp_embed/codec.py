@@ -126,6 +126,12 @@ class _Codebook:
     def metadata_bytes(self) -> int:
         return 2 * self.masks.size * (self.word_bits // 8)
 
+    def table_nbytes(self, payload_bytes: float, n_rows: int) -> float:
+        """nbytes of an encoded table of n_rows with this codebook (docs/format.md "Size"):
+        payload, tail pad, offsets index and masks."""
+        return (payload_bytes + lib.ibp_tail_pad(self.row_bytes, self.word_bits)
+                + index_nbytes(n_rows, self.row_bytes) + self.metadata_bytes())
+
 
 def _n_words(row_bytes: int, word_bits: int) -> int:
     return -(-row_bytes // (word_bits // 8))
@@ -325,7 +331,7 @@ def _estimate_nbytes(book: _Codebook, sample: np.ndarray, n_rows: int) -> float:
     """Encoded size of the whole table, extrapolated from the sample (exact when the
     sample is the table), with its masks, offsets index and tail pad."""
     payload = book.assign(sample)[1].sum(dtype=np.uint64) * (n_rows / max(sample.shape[0], 1))
-    return float(payload) + index_nbytes(n_rows, book.row_bytes) + book.metadata_bytes() + lib.ibp_tail_pad(book.row_bytes, book.word_bits)
+    return book.table_nbytes(float(payload), n_rows)
 
 
 def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codebook,
@@ -343,9 +349,7 @@ def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codeboo
         offsets[lo + 1: hi + 1] = lengths
     np.cumsum(offsets, out=offsets)
     payload_bytes = int(offsets[-1])
-    encoded_nbytes = (payload_bytes + lib.ibp_tail_pad(row_bytes, book.word_bits) + index_nbytes(n_rows, row_bytes)
-                      + book.metadata_bytes())
-    if allow_raw and encoded_nbytes >= n_rows * row_bytes:  # masks, index and pad outweigh the savings
+    if allow_raw and book.table_nbytes(payload_bytes, n_rows) >= n_rows * row_bytes:  # masks, index and pad outweigh the savings
         return CompressedTable.raw(rows, dtype, dim, book.word_bits)
     payload = np.zeros(payload_bytes + lib.ibp_tail_pad(row_bytes, book.word_bits), dtype=np.uint8)
     payload_p = _native.ptr(payload, "uint8_t *")

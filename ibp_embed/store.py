@@ -25,7 +25,7 @@ import torch
 
 from . import _native
 from ._native import ffi, lib
-from .codec import _Codebook, compress, index_nbytes, split_offsets
+from .codec import _Codebook, compress, split_offsets
 from .dtypes import LOOKUP_DTYPES, as_rows
 from .optim import SparseOptimizer
 from .table import _MODES, CompressedTable, TableReads, _as_index_array, _check_range
@@ -109,9 +109,7 @@ class UpdatableTable(TableReads):
         """nbytes of the CompressedTable that to_table() would build, without building it."""
         if self._book.clusters == 0:
             return self.raw_nbytes
-        return min(self.raw_nbytes, int(self.live_bytes + lib.ibp_tail_pad(self._row_bytes, self.word_bits)
-                                        + index_nbytes(self._shape[0], self._row_bytes)
-                                        + self._book.metadata_bytes()))
+        return min(self.raw_nbytes, int(self._book.table_nbytes(self.live_bytes, self._shape[0])))
 
     def __repr__(self) -> str:
         i = self.info()

@@ -227,7 +227,7 @@ class CompressedTable(TableReads):
         index_shape = ((0,), (0,)) if raw else ((n_rows // 64 + 1,), (n_rows + 1,))
         if (block_base.shape, rel.shape) != index_shape or rel.dtype.itemsize != rel_bytes:
             raise FormatError("the offsets index does not match the table's shape")
-        if raw and payload_bytes != n_rows * row_bytes or raw and payload.shape[0] > payload_bytes:
+        if raw and (payload_bytes != n_rows * row_bytes or payload.shape[0] > payload_bytes):
             raise FormatError(f"a raw table of {n_rows} rows of {row_bytes} bytes has exactly "
                               f"{n_rows * row_bytes} payload bytes, not {payload_bytes} ({payload.shape[0]} given)")
         if payload.shape[0] < payload_bytes + (0 if raw else lib.ibp_tail_pad(row_bytes, self._word_bits)):
@@ -278,8 +278,8 @@ class CompressedTable(TableReads):
     @property
     def is_raw(self) -> bool:
         """Whether every row is stored as it is, with no masks, index or tail pad
-        (docs/format.md, version 2): compress() stores a table so where encoding it
-        would take more bytes, so a table never grows."""
+        (docs/format.md, version 2): compress() stores a table so where encoding would
+        not make it smaller, so it never grows."""
         return self._masks.shape[0] == 0
 
     @classmethod

@@ -1,7 +1,8 @@
-"""Fixtures shared by the CUDA tests (tests/test_cuda_library.py, test_cuda_emulation.py,
-test_cuda_gpu.py): one nvcc build of native/cuda and one loaded libibp_cuda for the
-session, and `case`, the CASES tables of tests/cuda_cases.py compressed once a module.
-Nothing here is autouse and no other test names these fixtures."""
+"""Fixtures shared by test files: for the CUDA tests (tests/test_cuda_library.py,
+test_cuda_emulation.py, test_cuda_gpu.py) one nvcc build of native/cuda and one loaded
+libibp_cuda for the session, and `case`, the CASES tables of tests/cuda_cases.py
+compressed once a module; for the .ibp file tests (test_io.py, test_io_corruption.py)
+`one_thread` and `small`. Nothing here is autouse."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ import pytest
 
 import ibp_embed
 from cuda_cases import CASES, CUDA_DIR, ROOT
+from io_cases import save_small, single_thread
 
 DEFAULT_LIB = ROOT / "native" / "build" / "libibp_cuda.so"
 NVCC = shutil.which("nvcc")
@@ -83,3 +85,15 @@ def case(request):
     w = make()
     return name, w, ibp_embed.compress(w, **kw)
 
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """libibp and torch on one thread for a module (see io_cases.single_thread)."""
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A small saved table with K > 1 and some raw rows: (path, table, data, file bytes)."""
+    return save_small(tmp_path_factory)

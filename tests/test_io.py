@@ -18,21 +18,12 @@ from ibp_embed import CompressedTable, FormatError, io
 from ibp_embed._native import lib
 
 from helpers import SECTIONS, table_sections, write_ibp
-from io_cases import HYP, assert_same, save_small, single_thread, table_data
+from io_cases import HYP, assert_same, table_data
 
 
 # ---------------------------------------------------------------- helpers
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A small saved table with K > 1 and some raw rows: (path, table, data, file bytes)."""
-    return save_small(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny decodes
 
 
 def assert_same_table(t: CompressedTable, u: CompressedTable, x: torch.Tensor):

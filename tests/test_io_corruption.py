@@ -22,23 +22,14 @@ import ibp_embed
 from ibp_embed import CompressedTable, FormatError, io
 
 from helpers import SECTIONS, table_sections, write_ibp
-from io_cases import HYP, assert_same, raw_bytes, save_small, single_thread
+from io_cases import HYP, assert_same, raw_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- helpers
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A small saved table with K > 1 and some raw rows: (path, table, data, file bytes)."""
-    return save_small(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny decodes
 
 
 def covered_ranges(path) -> list[tuple[str, int, int]]:
