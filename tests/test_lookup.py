@@ -188,20 +188,23 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_lookup_deduplicated_path_pools_exactly(threads):
+@pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 2048, 40000, 2000, 1.05), (1_100_000, 4, 4096, 200, 1.2)],
+                         ids=["bitmap", "hash"])
+def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, alpha):
     """A large call into a table with more rows than the per-thread cache has slots
-    (512 of these 8 KB rows) takes the exact deduplication path (each thread's
-    distinct rows decoded once into a scratch); its sums must be the cached path's,
-    bit for bit, with weights, MEAN, empty bags and a bad id reported."""
+    (512 of the 8 KB rows) takes the exact deduplication path (each thread's
+    distinct rows decoded once into a scratch): with a bitmap of the table's rows
+    where it has few rows per id, a hash table of the ids where it has many (over
+    256: the 1.1M-row table). Its sums must be the cached path's, bit for bit, with
+    weights, MEAN, empty bags and a bad id reported."""
     from ibp_embed._native import lib
     from ibp_embed.datasets import zipf_ids
 
     g = torch.Generator().manual_seed(21)
-    w = (torch.randn(6000, 2048, generator=g) * 0.05).to(torch.bfloat16).float()
+    w = (torch.randn(n_rows, dim, generator=g) * 0.05).to(torch.bfloat16).float()
     t = ibp_embed.compress(w)
-    n = 40000
-    idx = zipf_ids(n, 6000, 1.05, seed=3)
-    lengths = torch.randint(0, 40, (2000,), generator=g)
+    idx = zipf_ids(n, n_rows, alpha, seed=3)
+    lengths = torch.randint(0, 2 * n // bags, (bags,), generator=g)
     lengths[::53] = 0
     off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
     off[-1] = n
@@ -213,14 +216,15 @@ def test_lookup_deduplicated_path_pools_exactly(threads):
         # weighted sums are fused multiply-adds: compare with a bag at a time (the
         # cached path: a few ids never overflow the cache)
         got = t.lookup(idx, off, psw, mode="mean")
-        for b in range(0, 2000, 97):
+        for b in range(0, bags, 97):
             lo, hi = int(off[b]), int(off[b + 1])
             one = t.lookup(idx[lo:hi], torch.tensor([0, hi - lo]), psw[lo:hi], mode="mean")
             assert torch.equal(got[b], one[0])
-        bad = idx.clone()
-        bad[n // 2] = 6000
-        with pytest.raises(IndexError):
-            t.lookup(bad, off)
+        for bad_id in (n_rows, -1):
+            bad = idx.clone()
+            bad[n // 2] = bad_id
+            with pytest.raises(IndexError):
+                t.lookup(bad, off)
     finally:
         lib.ibp_set_num_threads(before)
 
