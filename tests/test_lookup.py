@@ -188,24 +188,27 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 2048, 40000, 2000, 1.05), (1_100_000, 4, 4096, 200, 1.2)],
-                         ids=["bitmap", "hash"])
+@pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 2048, 40000, 2000, 1.05), (1_100_000, 4, 4096, 200, 1.2),
+                                                      (200_000, 24, 8192, 300, None)],
+                         ids=["bitmap", "hash", "direct"])
 def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, alpha):
     """A large call into a table with more rows than the per-thread cache has slots
     (512 of the 8 KB rows) takes the exact deduplication path (each thread's
     distinct rows decoded once into a scratch): with a bitmap of the table's rows
     where it has few rows per id, a hash table of the ids where it has many (over
-    256: the 1.1M-row table). Its sums must be the cached path's, bit for bit, with
-    weights, MEAN, empty bags and a bad id reported."""
+    256: the 1.1M-row table); uniform ids, mostly distinct, are decoded one by one
+    in windows instead. Its sums must be the cached path's, bit for bit, with
+    weights, MEAN, empty bags, bags longer than a window and a bad id reported."""
     from ibp_embed._native import lib
-    from ibp_embed.datasets import zipf_ids
+    from ibp_embed.datasets import uniform_ids, zipf_ids
 
     g = torch.Generator().manual_seed(21)
     w = (torch.randn(n_rows, dim, generator=g) * 0.05).to(torch.bfloat16).float()
     t = ibp_embed.compress(w)
-    idx = zipf_ids(n, n_rows, alpha, seed=3)
+    idx = zipf_ids(n, n_rows, alpha, seed=3) if alpha else uniform_ids(n, n_rows, seed=3)
     lengths = torch.randint(0, 2 * n // bags, (bags,), generator=g)
     lengths[::53] = 0
+    lengths[1] = 300  # longer than a window of ids
     off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
     off[-1] = n
     psw = torch.rand(n, generator=g)
