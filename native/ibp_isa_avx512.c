@@ -5,9 +5,12 @@
  * field lengths (vbits or 64) are prefix-summed across lanes to get each field's
  * bit offset (in a planned step: read from the plan, see step_layout); a 128-byte
  * window of the bitstream sits in two registers and VPERMB pulls each lane's 16
- * bytes out of it (two 8-byte halves), shifted into place by the offset's low bits. The deposit (pdep has no vector form) is planned per
- * table (VPMULTISHIFTQB, below); without a plan it inserts zeros at the mask's runs
- * of invariant bits, one run per iteration, in all lanes at once. The window reads
+ * bytes out of it (two 8-byte halves), shifted into place by the offset's low bits.
+ * The deposit (pdep has no vector form) is planned per table (VPMULTISHIFTQB,
+ * below); without a plan it inserts zeros at the mask's runs of invariant bits, one
+ * run per iteration, in all lanes at once. A W = 64 step whose words all participate
+ * and whose fields sit where the plan put them (every earlier word participated)
+ * skips all of that: one VPERMB of one window and the shifts (plan_direct). The window reads
  * up to 128 bytes past a field; the payload's tail pad covers that. The decoders
  * are inlined into the row decoder: a call per row was 6% of a W = 64 float32 row
  * and 6% of a float16 one (measured, d128 / d64).
@@ -48,7 +51,10 @@
  * a popcount, instead of a prefix sum over the lanes. */
 typedef struct step_layout {
     uint32_t total, extra_lanes; /* extra_lanes: the lanes with invariant bits */
+    uint32_t fixed;              /* the step's first bit when every word before it participates */
     uint8_t extra;               /* 0: no layout (the extras differ, or no lane has any) */
+    uint8_t direct;              /* W = 64: a step whose words all participate, starting at fixed,
+                                  * is cut straight from one 64-byte window (see plan_direct) */
 } step_layout;
 
 /* What the decoders read: one cluster's steps. */
@@ -58,6 +64,8 @@ typedef struct plan_view {
     const __m512i *excl;        /* [steps] */
     const step_layout *layout;  /* [steps] */
     const uint8_t *shifts;      /* [steps]; NULL: this cluster has no plan */
+    const __m512i *direct_idx;  /* [steps] */
+    const __m512i *direct_ctrl; /* [steps][PLAN_MAX_SHIFTS] */
 } plan_view;
 
 typedef struct decode_plan {
@@ -67,6 +75,8 @@ typedef struct decode_plan {
     __m512i *bitval, *excl;     /* [clusters][steps] */
     step_layout *layout;        /* [clusters][steps] */
     uint8_t *shifts;            /* [clusters][steps] */
+    __m512i *direct_idx;        /* [clusters][steps] */
+    __m512i *direct_ctrl;       /* [clusters][steps][PLAN_MAX_SHIFTS] */
     plan_view views[PLAN_MAX_CLUSTERS];
     size_t cap_words, cap_steps;
 } decode_plan;
@@ -82,13 +92,17 @@ static int plan_reserve(decode_plan *p, size_t words, size_t steps)
     }
     if (p->cap_steps < steps) {
         free(p->ctrl), free(p->sel), free(p->bitval), free(p->excl), free(p->layout), free(p->shifts);
+        free(p->direct_idx), free(p->direct_ctrl);
         p->ctrl = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
+        p->direct_ctrl = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
+        p->direct_idx = aligned_alloc(64, steps * 64);
         p->sel = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
         p->bitval = aligned_alloc(64, steps * 64);
         p->excl = aligned_alloc(64, steps * 64);
         p->layout = malloc(steps * sizeof(step_layout));
         p->shifts = malloc(steps);
-        p->cap_steps = p->ctrl && p->sel && p->bitval && p->excl && p->layout && p->shifts ? steps : 0;
+        p->cap_steps = p->ctrl && p->sel && p->bitval && p->excl && p->layout && p->shifts && p->direct_idx &&
+                               p->direct_ctrl ? steps : 0;
     }
     return p->cap_words >= words && p->cap_steps >= steps;
 }
@@ -98,6 +112,29 @@ static inline void put_lane(__m512i *v, uint32_t l, uint64_t x, uint32_t W)
 {
     uint8_t *b = (uint8_t *)v + (size_t)l * (W / 8);
     memcpy(b, &x, W / 8);
+}
+
+/* The direct form of W = 64 step `at` (its shifts' control bytes `ctrl`), whose
+ * fields start at bit `fixed` of the bitstream: a 64-byte window loaded from byte
+ * fixed / 8 holds every field, and each lane's 8 bytes from its field's first byte
+ * hold the whole field (its bit offset in that byte plus its length is at most 64).
+ * The shifts then read the field where it lies in those bytes: the control bytes
+ * grow by that offset. Returns 0 when a field does not fit so. */
+static int plan_direct(decode_plan *p, size_t at, const uint8_t *ctrl, uint32_t fixed, const uint32_t *excl,
+                       const uint32_t *vbits)
+{
+    uint8_t *idx = (uint8_t *)(p->direct_idx + at), *dctrl = (uint8_t *)(p->direct_ctrl + at * PLAN_MAX_SHIFTS);
+    for (uint32_t l = 0; l < 8; l++) {
+        const uint32_t off = (fixed & 7) + excl[l], first = off / 8, shift = off % 8;
+        if (first + 8 > 64 || shift + vbits[l] > 64)
+            return 0;
+        for (uint32_t b = 0; b < 8; b++) {
+            idx[l * 8 + b] = (uint8_t)(first + b);
+            for (uint32_t r = 0; r < PLAN_MAX_SHIFTS; r++)
+                dctrl[r * 64 + l * 8 + b] = (uint8_t)((ctrl[r * 64 + l * 8 + b] + shift) & 63);
+        }
+    }
+    return 1;
 }
 
 /* Plan the steps of cluster k (masks and bit values of its M words); 0 when a
@@ -114,9 +151,10 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
     uint8_t *sel = (uint8_t *)(p->sel + (size_t)k * steps * PLAN_MAX_SHIFTS);
     memset(ctrl, 0, (size_t)steps * PLAN_MAX_SHIFTS * 64);
     memset(sel, 0, (size_t)steps * PLAN_MAX_SHIFTS * 64);
+    uint32_t fixed = 0;
     for (uint32_t st = 0; st < steps; st++) {
-        uint32_t most = 0;
-        step_layout lay = {0, 0, 0};
+        uint32_t most = 0, lane_excl[64], lane_vbits[64];
+        step_layout lay = {0, 0, fixed, 0, 0};
         int same_extra = 1;
         for (uint32_t l = 0; l < lanes; l++) {
             const uint32_t j = st * lanes + l;
@@ -124,6 +162,7 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
             const uint32_t base = (l % (64 / W)) * W, vbits = (uint32_t)__builtin_popcountll(var);
             put_lane(&bv[st], l, bitval[j], W);
             put_lane(&p->excl[(size_t)k * steps + st], l, lay.total, W);
+            lane_excl[l] = lay.total, lane_vbits[l] = vbits;
             lay.total += vbits;
             if (vbits < W) {
                 same_extra &= !lay.extra || lay.extra == W - vbits;
@@ -153,7 +192,11 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
         p->shifts[(size_t)k * steps + st] = (uint8_t)most;
         if (!same_extra)
             lay.extra = 0;
+        if (W == 64)
+            lay.direct = (uint8_t)plan_direct(p, k * steps + st, ctrl + (size_t)st * PLAN_MAX_SHIFTS * 64, fixed,
+                                              lane_excl, lane_vbits);
         p->layout[(size_t)k * steps + st] = lay;
+        fixed += lay.total;
     }
     return 1;
 }
@@ -180,7 +223,8 @@ static const decode_plan *plan_for(const ibp_table *t)
         const size_t at = (size_t)k * steps;
         int ok = plan_cluster(p, k, steps, cb->masks + (size_t)k * M, cb->bitvals + (size_t)k * M);
         p->views[k] = (plan_view){p->ctrl + at * PLAN_MAX_SHIFTS, p->sel + at * PLAN_MAX_SHIFTS, p->bitval + at,
-                                  p->excl + at, p->layout + at, ok ? p->shifts + at : NULL};
+                                  p->excl + at, p->layout + at, ok ? p->shifts + at : NULL, p->direct_idx + at,
+                                  p->direct_ctrl + at * PLAN_MAX_SHIFTS};
     }
     p->n_words = M, p->row_bytes = cb->row_bytes, p->clusters = K;
     return p;
@@ -197,8 +241,9 @@ static inline const void *plan_of_cluster(const void *plan, uint32_t k)
 static uint64_t plan_release(void)
 {
     decode_plan *p = &tl_plan;
-    const uint64_t held = p->cap_words * 16 + p->cap_steps * ((2 * PLAN_MAX_SHIFTS + 2) * 64 + sizeof(step_layout) + 1);
+    const uint64_t held = p->cap_words * 16 + p->cap_steps * ((3 * PLAN_MAX_SHIFTS + 3) * 64 + sizeof(step_layout) + 1);
     free(p->masks), free(p->bitvals), free(p->ctrl), free(p->sel), free(p->bitval), free(p->excl);
+    free(p->direct_idx), free(p->direct_ctrl);
     free(p->layout), free(p->shifts);
     memset(p, 0, sizeof *p); /* word_bits 0: no plan until built again */
     return held;
@@ -250,6 +295,16 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
                                 * only by the unplanned deposit) */
         uint64_t step_bits;
         const step_layout *lay = plan ? &plan->layout[j / 8] : NULL;
+        if (lay && lay->direct && part == 0xff && pos == lay->fixed) { /* see plan_direct */
+            const __m512i field = _mm512_permutexvar_epi8(plan->direct_idx[j / 8],
+                                                          _mm512_loadu_si512((const void *)(bs + (pos >> 3))));
+            const size_t at = (size_t)(j / 8) * PLAN_MAX_SHIFTS;
+            _mm512_storeu_si512((void *)(out + (size_t)j * 8),
+                                plan_deposit(plan->direct_ctrl + at, plan->sel + at, plan->bitval[j / 8],
+                                             plan->shifts[j / 8], field));
+            pos += lay->total;
+            continue;
+        }
         if (lay && lay->extra) { /* the planned layout, corrected for non-participating lanes */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
             const __m512i below = _mm512_and_si512(_mm512_set1_epi64(late), lanes_below);
