@@ -302,6 +302,37 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
         lookup_many([(t, ids.astype(np.int32), off, w, mode)], b)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lookup_many_gives_each_thread_whole_tables_when_they_balance(threads):
+    """Where a call has enough tables to deduplicate to keep every thread busy with
+    whole ones, each such table is one task (its distinct rows decoded once, not
+    once per thread); alone, a table's bags are split among the threads. Both must
+    give the one-table lookups' sums bit for bit, whatever rows the tasks share."""
+    from ibp_embed._native import lib
+    from ibp_embed.datasets import zipf_ids
+    from ibp_embed.table import _lookup_many_checked as lookup_many
+
+    g = torch.Generator().manual_seed(33)
+    b, pooling = 205, 20  # 4100 ids a table: enough to deduplicate on 2 threads
+    off = np.arange(0, b * pooling + 1, pooling, dtype=np.int64)
+    jobs = []
+    for k in range(5):
+        t = ibp_embed.compress((torch.randn(20000, 8, generator=g) * 0.1).to(torch.bfloat16).float())
+        jobs.append((t, zipf_ids(b * pooling, 20000, 1.05, seed=k).numpy(), off, None, "sum"))
+    before = lib.ibp_get_num_threads()
+    lib.ibp_set_num_threads(threads)
+    try:
+        got = lookup_many(jobs, b)
+        want = torch.cat([lookup_many([job], b) for job in jobs], dim=1)
+    finally:
+        lib.ibp_set_num_threads(before)
+    assert torch.equal(got, want)
+    for k, (t, ids, _, _, _) in enumerate(jobs):
+        assert torch.equal(got[:, 8 * k:8 * (k + 1)],
+                           F.embedding_bag(torch.from_numpy(ids), t.decompress(), torch.from_numpy(off[:-1]),
+                                           mode="sum"))
+
+
 def test_public_lookup_many_matches_per_table_lookups():
     """ibp_embed.lookup_many: lookup()'s arguments per table, one [B, sum of dims] output
     (one native call for packed tables, table by table with an updatable one), errors
