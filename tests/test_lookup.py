@@ -188,12 +188,12 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 2048, 40000, 2000, 1.05), (1_100_000, 4, 4096, 200, 1.2),
+@pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 512, 40000, 2000, 1.05), (1_100_000, 4, 4096, 200, 1.2),
                                                       (200_000, 24, 8192, 300, None)],
                          ids=["bitmap", "hash", "direct"])
 def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, alpha):
     """A large call into a table with more rows than the per-thread cache has slots
-    (512 of the 8 KB rows) takes the exact deduplication path (each thread's
+    (2048 of the 2 KB rows) takes the exact deduplication path (each thread's
     distinct rows decoded once into a scratch): with a bitmap of the table's rows
     where it has few rows per id, a hash table of the ids where it has many (over
     256: the 1.1M-row table); uniform ids, mostly distinct, are decoded one by one
