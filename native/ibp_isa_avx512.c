@@ -9,7 +9,7 @@
  * The deposit (pdep has no vector form) is planned per table (VPMULTISHIFTQB,
  * below); without a plan it inserts zeros at the mask's runs of invariant bits, one
  * run per iteration, in all lanes at once. A W = 64 step whose words all participate
- * and whose fields sit where the plan put them (every earlier word participated)
+ * and that starts at the bit the plan expects (as when every earlier word participated)
  * skips all of that: one VPERMB of one window and the shifts (plan_direct). The window reads
  * up to 128 bytes past a field; the payload's tail pad covers that. The decoders
  * are inlined into the row decoder: a call per row was 6% of a W = 64 float32 row
