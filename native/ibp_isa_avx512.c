@@ -9,7 +9,6 @@
  * The deposit (pdep has no vector form) is planned per table (VPMULTISHIFTQB,
  * below); without a plan it inserts zeros at the mask's runs of invariant bits, one
  * run per iteration, in all lanes at once. A W = 64 step whose words all participate
- * and that starts at the bit the plan expects (as when every earlier word participated)
  * skips all of that: one VPERMB of one window and the shifts (plan_direct). The window reads
  * up to 128 bytes past a field; the payload's tail pad covers that. The decoders
  * are inlined into the row decoder: a call per row was 6% of a W = 64 float32 row
@@ -53,8 +52,8 @@ typedef struct step_layout {
     uint32_t total, extra_lanes; /* extra_lanes: the lanes with invariant bits */
     uint32_t fixed;              /* the step's first bit when every word before it participates */
     uint8_t extra;               /* 0: no layout (the extras differ, or no lane has any) */
-    uint8_t direct;              /* W = 64: a step whose words all participate, starting at fixed,
-                                  * is cut straight from one 64-byte window (see plan_direct) */
+    uint8_t direct;              /* W = 64: a step whose words all participate is cut straight
+                                  * from one 64-byte window (see plan_direct) */
 } step_layout;
 
 /* What the decoders read: one cluster's steps. */
@@ -119,7 +118,9 @@ static inline void put_lane(__m512i *v, uint32_t l, uint64_t x, uint32_t W)
  * fixed / 8 holds every field, and each lane's 8 bytes from its field's first byte
  * hold the whole field (its bit offset in that byte plus its length is at most 64).
  * The shifts then read the field where it lies in those bytes: the control bytes
- * grow by that offset. Returns 0 when a field does not fit so. */
+ * grow by that offset. Returns 0 when a field does not fit so. A step that starts
+ * later (words before it did not participate) shifts its window first, so that
+ * the fields lie where the plan expects them. */
 static int plan_direct(decode_plan *p, size_t at, const uint8_t *ctrl, uint32_t fixed, const uint32_t *excl,
                        const uint32_t *vbits)
 {
@@ -295,9 +296,16 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
                                 * only by the unplanned deposit) */
         uint64_t step_bits;
         const step_layout *lay = plan ? &plan->layout[j / 8] : NULL;
-        if (lay && lay->direct && part == 0xff && pos == lay->fixed) { /* see plan_direct */
-            const __m512i field = _mm512_permutexvar_epi8(plan->direct_idx[j / 8],
-                                                          _mm512_loadu_si512((const void *)(bs + (pos >> 3))));
+        if (lay && lay->direct && part == 0xff) { /* see plan_direct */
+            const uint64_t from = pos - (lay->fixed & 7); /* the planned window's first bit (pos >= fixed) */
+            const uint8_t *q = bs + (from >> 3);
+            __m512i win = _mm512_loadu_si512((const void *)q);
+            if (from & 7) { /* not when pos == fixed: always shifting cost float16 d64 rows 5-8% */
+                const __m512i s = _mm512_set1_epi64((long long)(from & 7));
+                win = _mm512_or_si512(_mm512_srlv_epi64(win, s),
+                                      _mm512_sllv_epi64(_mm512_loadu_si512((const void *)(q + 8)), _mm512_sub_epi64(w64, s)));
+            }
+            const __m512i field = _mm512_permutexvar_epi8(plan->direct_idx[j / 8], win);
             const size_t at = (size_t)(j / 8) * PLAN_MAX_SHIFTS;
             _mm512_storeu_si512((void *)(out + (size_t)j * 8),
                                 plan_deposit(plan->direct_ctrl + at, plan->sel + at, plan->bitval[j / 8],
