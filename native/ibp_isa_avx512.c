@@ -513,16 +513,26 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
     return j;
 }
 
-/* The loop above, compiled apart with and without the direct branch (see
- * mostly_full_rows): one loop testing the plan's flag decoded the tables without it
- * 4-8% slower (fp32 d128, torchrec init and trained-like, W = 16 and 32). */
+/* The loop above, compiled apart with the direct branch (a call per row) and without
+ * it (see mostly_full_rows): one loop testing the plan's flag decoded the tables
+ * without direct steps 3-6% slower (fp32 d128, torchrec init and trained-like, W = 16
+ * and 32), and both loops inlined into the row decoder made fp32 W = 64 lookups 1-11%
+ * slower in 5 of 6 runs (the quick Zipf set). */
+static __attribute__((noinline)) uint32_t decode_words32_direct(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
+                                                         const uint64_t *mask, const uint64_t *bitval,
+                                                         const uint8_t *vbits, uint32_t full, uint8_t *out,
+                                                         const void *plan_v)
+{
+    return decode_words32_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1);
+}
+
 static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
                                              const void *plan_v)
 {
     const plan_view *plan = plan_v;
-    return plan && plan->direct ? decode_words32_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1)
+    return plan && plan->direct ? decode_words32_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)
                                 : decode_words32_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 0);
 }
 
@@ -641,16 +651,22 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     return j;
 }
 
-/* The loop above, compiled apart with and without the direct branch (see
- * mostly_full_rows): one loop testing the plan's flag decoded the tables without it
- * 4-8% slower (fp32 d128, torchrec init and trained-like, W = 16 and 32). */
+/* As decode_words32_avx512. */
+static __attribute__((noinline)) uint32_t decode_words16_direct(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
+                                                         const uint64_t *mask, const uint64_t *bitval,
+                                                         const uint8_t *vbits, uint32_t full, uint8_t *out,
+                                                         const void *plan_v)
+{
+    return decode_words16_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1);
+}
+
 static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
                                              const void *plan_v)
 {
     const plan_view *plan = plan_v;
-    return plan && plan->direct ? decode_words16_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1)
+    return plan && plan->direct ? decode_words16_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)
                                 : decode_words16_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 0);
 }
 
