@@ -428,7 +428,8 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
 /* Decode words [0, 16 * floor(full / 16)) of a W = 32 row; returns how many. The W = 64
  * steps above with sixteen 32-bit lanes: each lane's field is cut from two 4-byte
  * gathers of the window (a field starts at any bit of its first byte and spans at most
- * 5 bytes). Two header bytes give the step's lane mask. */
+ * 5 bytes). Two header bytes give the step's lane mask. `direct` (a constant) tries
+ * direct steps where every word participates (see DECODE_WORDS_ENTRY). */
 static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
@@ -513,29 +514,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
     return j;
 }
 
-/* The loop above, compiled apart with the direct branch (a call per row) and without
- * it (see mostly_full_rows): one loop testing the plan's flag decoded the tables
- * without direct steps 3-6% slower (fp32 d128, torchrec init and trained-like, W = 16
- * and 32), and both loops inlined into the row decoder made fp32 W = 64 lookups 1-11%
- * slower in 5 of 6 runs (the quick Zipf set). */
-static __attribute__((noinline)) uint32_t decode_words32_direct(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
-                                                         const uint64_t *mask, const uint64_t *bitval,
-                                                         const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                                         const void *plan_v)
-{
-    return decode_words32_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1);
-}
-
-static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
-                                             const uint64_t *mask, const uint64_t *bitval,
-                                             const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v)
-{
-    const plan_view *plan = plan_v;
-    return plan && plan->direct ? decode_words32_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)
-                                : decode_words32_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 0);
-}
-
 /* 8 64-bit words narrowed to 8 16-bit lanes */
 static inline __m128i narrow16(const uint64_t *p)
 {
@@ -553,7 +531,7 @@ static inline __m512i shift_words_up(__m512i x, int k)
 
 /* Decode words [0, 32 * floor(full / 32)) of a W = 16 row; returns how many. The same
  * steps with thirty-two 16-bit lanes (a field spans at most 3 bytes: two 2-byte
- * gathers); four header bytes give the lane mask. */
+ * gathers); four header bytes give the lane mask; `direct` as at W = 32. */
 static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
@@ -651,24 +629,29 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     return j;
 }
 
-/* As decode_words32_avx512. */
-static __attribute__((noinline)) uint32_t decode_words16_direct(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
-                                                         const uint64_t *mask, const uint64_t *bitval,
-                                                         const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                                         const void *plan_v)
-{
-    return decode_words16_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1);
-}
-
-static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
-                                             const uint64_t *mask, const uint64_t *bitval,
-                                             const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v)
-{
-    const plan_view *plan = plan_v;
-    return plan && plan->direct ? decode_words16_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)
-                                : decode_words16_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 0);
-}
+/* The W = 32 and W = 16 loops above, each compiled twice: with the direct branch (a
+ * call per row) and without it (see mostly_full_rows). One loop testing the plan's flag decoded the tables
+ * without direct steps 3-6% slower (fp32 d128, torchrec init and trained-like, W = 16
+ * and 32), and both loops inlined into the row decoder made fp32 W = 64 lookups 1-11%
+ * slower in 5 of 6 runs (the quick Zipf set). */
+#define DECODE_WORDS_ENTRY(W)                                                                                     \
+    static __attribute__((noinline)) uint32_t decode_words##W##_direct(                                            \
+        const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
+        const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v)                                     \
+    {                                                                                                              \
+        return decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1);                \
+    }                                                                                                              \
+    static inline __attribute__((always_inline)) uint32_t decode_words##W##_avx512(                                \
+        const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
+        const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v)                                     \
+    {                                                                                                              \
+        const plan_view *plan = plan_v;                                                                            \
+        return plan && plan->direct                                                                                \
+                   ? decode_words##W##_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)             \
+                   : decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 0);         \
+    }
+DECODE_WORDS_ENTRY(32)
+DECODE_WORDS_ENTRY(16)
 
 #define IBP_DECODE_WORDS64_SIMD decode_words64_avx512
 #define IBP_DECODE_WORDS32_SIMD decode_words32_avx512
