@@ -42,7 +42,8 @@ static int cpu_has(int isa)
     if (isa == IBP_ISA_AVX512)
         return v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vpopcntdq") &&
+               __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
+               __builtin_cpu_supports("avx512vpopcntdq") &&
                __builtin_cpu_supports("avx512bitalg");
 #endif
     return isa == IBP_ISA_GENERIC;

@@ -88,7 +88,7 @@ uint64_t ibp_release_thread_buffers(void);
 /* Row-kernel instruction sets, best first chosen at load time. */
 #define IBP_ISA_GENERIC 0 /* portable C: extract/deposit by bit loops */
 #define IBP_ISA_V3 1      /* x86-64-v3: BMI2 pext/pdep */
-#define IBP_ISA_AVX512 2  /* AVX-512 (VBMI, VPOPCNTDQ, BITALG): 8, 16, 32 words per step for W = 64, 32, 16 */
+#define IBP_ISA_AVX512 2  /* AVX-512 (VBMI, VBMI2, VPOPCNTDQ, BITALG): 8, 16, 32 words per step for W = 64, 32, 16 */
 int ibp_isa(void);
 /* Force a kernel set (tests, benchmarks); IBP_E_ARG if this CPU lacks it. */
 int ibp_set_isa(int isa);
