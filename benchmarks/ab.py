@@ -1,0 +1,200 @@
+"""A/B of two builds of libibp in one process: decode and single-table lookups.
+
+    python -m benchmarks.ab HEAD~1              # HEAD~1 (A) against the working tree (B)
+    python -m benchmarks.ab cd78949 HEAD --what lookup --dtype float16 --dim 64
+    python -m benchmarks.ab a/libibp.so b/libibp.so   # two libraries already built
+
+A build is a git revision (its `native/` and `Makefile`, from `git archive`), `.` for
+the working tree, or the path of a built libibp.so; revisions are compiled with
+`make lib` into a temporary folder. Both builds run on the same tables and ids, which
+the installed package compresses, so they must share its ABI (`ibp_abi_version`).
+
+Measurements, 1 thread, each call of A followed by the same call of B:
+- `decode`: rows 0..m of the table, m rows of output that stay in cache;
+- `decode-cold`: every 5th row of the table, a 64 MiB buffer written before each call;
+- `lookup`: one pooled lookup (sum) of a B x P batch of Zipf or uniform ids.
+
+Timing two builds on the same input one after the other favours the second, which finds
+what the first left in cache (15-20% on fp16 tables that nearly fit the cache), so every
+measurement is run twice, A first and then B first, and both ratios are printed. Their
+outputs must be bit-identical. Results: a markdown table (min and median ms, B / A) and
+benchmarks/results/ab-<UTC time>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ibp_embed import _native, compress, datasets
+from ibp_embed.dtypes import LOOKUP_DTYPES
+
+from . import common
+
+WHAT = ("decode", "decode-cold", "lookup")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLUSH_BYTES = 64 << 20
+
+
+# ================================================================ builds
+def build(spec: str, into: Path) -> Path:
+    """The libibp.so of one build spec (see the module doc), compiled under `into`."""
+    if spec.endswith(".so"):
+        path = Path(spec)
+        if not path.is_file():
+            raise SystemExit(f"ab: {spec}: no such library")
+        return path
+    src = into / "src"
+    src.mkdir(parents=True)
+    if spec == ".":
+        shutil.copytree(common.ROOT / "native", src / "native", ignore=shutil.ignore_patterns("build"))
+        shutil.copy2(common.ROOT / "Makefile", src / "Makefile")
+    else:
+        archive = subprocess.run(["git", "archive", spec, "native", "Makefile"], cwd=common.ROOT,
+                                 capture_output=True)
+        if archive.returncode:
+            raise SystemExit(f"ab: git archive {spec}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    made = subprocess.run(["make", "-s", "lib", f"BUILD={into}"], cwd=src, capture_output=True, text=True)
+    if made.returncode:
+        raise SystemExit(f"ab: building {spec} failed:\n{made.stdout}{made.stderr}")
+    return into / "libibp.so"
+
+
+def load(path: Path):
+    lib = _native.ffi.dlopen(str(path))
+    if lib.ibp_abi_version() != _native.lib.ibp_abi_version():
+        raise SystemExit(f"ab: {path} has ABI {lib.ibp_abi_version()}, the package "
+                         f"{_native.lib.ibp_abi_version()}: the builds cannot share its tables")
+    lib.ibp_set_num_threads(1)
+    return lib
+
+
+# ================================================================ calls
+def decode_call(lib, table, ids: np.ndarray, out: np.ndarray):
+    ffi = _native.ffi
+    args = (table._c, ffi.cast("const int64_t *", ids.ctypes.data), ids.size, ffi.cast("uint8_t *", out.ctypes.data))
+    return lambda: _native.check(lib.ibp_decode(*args), "decode")
+
+
+def lookup_call(lib, table, dtype, ids: np.ndarray, offsets: np.ndarray, out: np.ndarray):
+    ffi = _native.ffi
+    args = (table._c, LOOKUP_DTYPES[dtype], out.shape[1], ffi.cast("const int64_t *", ids.ctypes.data),
+            ffi.cast("const int64_t *", offsets.ctypes.data), out.shape[0], ffi.NULL, 0,
+            ffi.cast("float *", out.ctypes.data))
+    return lambda: _native.check(lib.ibp_lookup(*args), "lookup")
+
+
+def time_pair(calls: dict, outs: dict, repeats: int, flush: np.ndarray | None) -> dict:
+    """Time the builds' calls alternately, in the order of `calls`, after a warm-up round;
+    their outputs must be equal."""
+    times = {name: [] for name in calls}
+    for rep in range(repeats + 1):  # the first round warms up
+        for name, call in calls.items():
+            if flush is not None:
+                flush += 1
+            t0 = time.perf_counter()
+            call()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    a, b = outs.values()
+    if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+        raise SystemExit("ab: the two builds' outputs differ")
+    return {name: {"min_s": min(t), "median_s": float(np.median(t))} for name, t in times.items()}
+
+
+def measure(what: str, libs: dict, args) -> list[dict]:
+    """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ...}, ...]."""
+    dtype = DTYPES[args.dtype]
+    weights = (datasets.make_trained_like_table(args.rows, args.dim, dtype) if args.init == "trained" else
+               datasets.make_table(args.rows, args.dim, dtype, init=args.init))
+    table = compress(weights, word_bits=args.word_bits, progress=False)
+    flush = None
+    if what == "lookup":
+        n = args.batch * args.pooling
+        ids = (datasets.zipf_ids(n, args.rows, args.alpha, seed=1, perm_seed=3) if args.dist == "zipf" else
+               datasets.uniform_ids(n, args.rows, seed=1)).numpy().astype(np.int64)
+        offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
+        outs = {k: np.empty((args.batch, args.dim), np.float32) for k in libs}
+        calls = {k: lookup_call(lib, table, dtype, ids, offsets, outs[k]) for k, lib in libs.items()}
+    else:
+        ids = (np.arange(min(args.rows, args.cached_rows)) if what == "decode" else
+               np.arange(0, args.rows, 5)).astype(np.int64)
+        outs = {k: np.empty((ids.size, args.dim * dtype.itemsize), np.uint8) for k in libs}
+        calls = {k: decode_call(lib, table, ids, outs[k]) for k, lib in libs.items()}
+        flush = np.zeros(FLUSH_BYTES, np.uint8) if what == "decode-cold" else None
+    results = []
+    for order in (("A", "B"), ("B", "A")):
+        got = time_pair({k: calls[k] for k in order}, outs, args.repeats, flush)
+        results.append({"order": ", ".join(order), **got, "units": ids.size})
+    return results
+
+
+# ================================================================ main
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("a", help="build A: a git revision, '.' (the working tree) or a libibp.so")
+    p.add_argument("b", nargs="?", default=".", help="build B (default: the working tree)")
+    p.add_argument("--what", default=",".join(WHAT), help=f"comma-separated, of {', '.join(WHAT)}")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--init", choices=("torchrec", "normal", "trained"), default="torchrec")
+    p.add_argument("--word-bits", type=int, choices=(16, 32, 64), help="default: compress picks")
+    p.add_argument("--rows", type=int, default=101_312, help="table rows (default: the quick set's 101k table)")
+    p.add_argument("--cached-rows", type=int, default=1000, help="rows decoded by `decode` (default 1000)")
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--pooling", type=int, default=20)
+    p.add_argument("--dist", choices=("zipf", "uniform"), default="zipf")
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--repeats", type=int, default=50, help="timed rounds per order (default 50)")
+    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    args = p.parse_args(argv)
+    args.what = [w.strip() for w in args.what.split(",") if w.strip()]
+    bad = [w for w in args.what if w not in WHAT]
+    if bad:
+        p.error(f"unknown --what {', '.join(bad)}; choose from {', '.join(WHAT)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    common.steady_allocations()
+    with tempfile.TemporaryDirectory(prefix="ibp-ab-") as tmp:
+        paths = {}
+        for name, spec in (("A", args.a), ("B", args.b)):
+            print(f"[ab] {name} = {spec}: building" if not spec.endswith(".so") else f"[ab] {name} = {spec}",
+                  file=sys.stderr, flush=True)
+            paths[name] = build(spec, Path(tmp) / name)
+        libs = {name: load(path) for name, path in paths.items()}
+        runs = {}
+        for what in args.what:
+            print(f"[ab] {what}", file=sys.stderr, flush=True)
+            runs[what] = measure(what, libs, args)
+    rows = []
+    for what, orders in runs.items():
+        for r in orders:
+            a, b = r["A"], r["B"]
+            rows.append([what, r["order"], common.fmt(a["min_s"] * 1e3, 3), common.fmt(b["min_s"] * 1e3, 3),
+                         common.fmt(b["min_s"] / a["min_s"], 3), common.fmt(a["median_s"] * 1e3, 3),
+                         common.fmt(b["median_s"] * 1e3, 3), common.fmt(b["median_s"] / a["median_s"], 3)])
+    config = {k: v for k, v in vars(args).items() if k != "results_dir"}
+    print(f"A = {args.a}, B = {args.b}; {args.dtype} d{args.dim} {args.init}, {args.rows} rows, "
+          f"W {args.word_bits or 'auto'}; 1 thread; load average {common.load_average()}\n")
+    print(common.markdown_table(["measure", "order", "A min ms", "B min ms", "B / A", "A median ms",
+                                 "B median ms", "B / A (median)"], rows))
+    result = {"machine": common.machine_info(), "config": config, "runs": runs}
+    path = common.write_json(result, "ab", results_dir=args.results_dir)
+    print(f"\nresults: {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The A/B harness of two libibp builds (benchmarks/ab.py) on a tiny configuration."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import ab  # noqa: E402
+from ibp_embed import _native  # noqa: E402
+
+TINY = ["--rows", "3000", "--cached-rows", "200", "--batch", "64", "--pooling", "4", "--repeats", "2",
+        "--dim", "16"]
+
+
+def package_library() -> str:
+    return str(Path(os.environ.get("IBP_LIBRARY", _native._LIBRARY)))
+
+
+def test_two_built_libraries_in_both_orders(tmp_path):
+    lib = package_library()
+    got = ab.main([lib, lib, *TINY, "--dtype", "float16", "--word-bits", "16", "--results-dir", str(tmp_path)])
+    assert set(got["runs"]) == set(ab.WHAT)
+    for what, orders in got["runs"].items():
+        assert [r["order"] for r in orders] == ["A, B", "B, A"]
+        for r in orders:
+            assert r["A"]["min_s"] > 0 and r["B"]["min_s"] > 0 and r["units"] > 0
+    saved = json.loads(next(tmp_path.glob("ab-*.json")).read_text())
+    assert saved["config"]["dtype"] == "float16" and saved["config"]["word_bits"] == 16
+
+
+def test_revision_and_working_tree_are_built(tmp_path):
+    got = ab.main(["HEAD", ".", *TINY, "--what", "lookup", "--dist", "uniform", "--results-dir", str(tmp_path)])
+    assert [r["order"] for r in got["runs"]["lookup"]] == ["A, B", "B, A"]
+
+
+def test_bad_builds_and_options_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="no such library"):
+        ab.main([str(tmp_path / "missing.so"), *TINY])
+    with pytest.raises(SystemExit, match="git archive"):
+        ab.main(["no-such-revision-xyz", *TINY])
+    with pytest.raises(SystemExit):
+        ab.parse(["HEAD", "--what", "decode,encode"])
