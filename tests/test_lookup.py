@@ -188,6 +188,51 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_lookup_small_table_decoded_whole(threads):
+    """A call with many more ids than a small table has rows decodes every row of the
+    table once into its per-thread cache and pools straight from it (no tag check per
+    id). The sums must be the cached path's, bit for bit (weighted, MEAN, empty bags);
+    a bad id is reported; and a corrupt row the batch never names must not fail the
+    call: the whole-table decode gives up and the call decodes only the rows it names."""
+    from ibp_embed._native import lib
+
+    g = torch.Generator().manual_seed(5)
+    n_rows, dim, n = 200, 24, 6000
+    w = (torch.randn(n_rows, dim, generator=g) * 0.05).to(torch.float16).float()
+    t = ibp_embed.compress(w, word_bits=64)
+    assert not t.is_raw
+    idx = torch.randint(0, n_rows, (n,), generator=g)
+    lengths = torch.randint(0, 40, (n // 20,), generator=g)
+    lengths[::7] = 0
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
+    off[-1] = n
+    psw = torch.rand(n, generator=g)
+    before = lib.ibp_get_num_threads()
+    lib.ibp_set_num_threads(threads)
+    try:
+        assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w, off[:-1], mode="sum"))
+        got = t.lookup(idx, off, psw, mode="mean")
+        for b in range(0, len(off) - 1, 13):  # a bag at a time: a few ids take the cached path
+            lo, hi = int(off[b]), int(off[b + 1])
+            assert torch.equal(got[b], t.lookup(idx[lo:hi], torch.tensor([0, hi - lo]), psw[lo:hi], mode="mean")[0])
+        bad = idx.clone()
+        bad[n // 3] = n_rows
+        with pytest.raises(IndexError):
+            t.lookup(bad, off)
+        # corrupt the last row: flip a participation bit of its header, so its bits no
+        # longer add up to its stored length
+        starts = t._row_starts()
+        assert starts[-1] - starts[-2] < t._row_bytes  # encoded, not stored raw
+        t._payload[int(starts[-2])] ^= 1
+        named = idx % (n_rows - 1)  # never the last row
+        assert torch.equal(t.lookup(named, off), F.embedding_bag(named, w, off[:-1], mode="sum"))
+        with pytest.raises(ibp_embed.FormatError):
+            t.lookup(torch.full((n,), n_rows - 1), off)
+    finally:
+        lib.ibp_set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 512, 40000, 2000, 1.05), (1_100_000, 4, 4096, 200, 1.2),
                                                       (200_000, 24, 8192, 300, None)],
                          ids=["bitmap", "hash", "direct"])
