@@ -2,6 +2,8 @@
 deduplication, every kernel set, lookup_many, and bad arguments."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,35 @@ def reference_bag(dec: torch.Tensor, indices, offsets, weights, mode):
     s = F.embedding_bag(indices, weight, offsets[:-1], mode="sum", per_sample_weights=weights)
     sizes = (offsets[1:] - offsets[:-1]).clamp(min=1).float()
     return s / sizes[:, None]
+
+
+def offsets_of(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """Offsets of bags of these lengths over n ids (cut at n; the last bag takes the rest)."""
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
+    off[-1] = n
+    return off
+
+
+@contextlib.contextmanager
+def native_threads(n: int):
+    from ibp_embed._native import lib
+
+    before = lib.ibp_get_num_threads()
+    lib.ibp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        lib.ibp_set_num_threads(before)
+
+
+def assert_pools_exactly(t, w, idx, off, psw, every: int):
+    """Sums bit for bit embedding_bag's; weighted MEAN (fused multiply-adds) bit for bit
+    the same bags' looked up one at a time (the cached path: a few ids), every n-th bag."""
+    assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w, off[:-1], mode="sum"))
+    got = t.lookup(idx, off, psw, mode="mean")
+    for b in range(0, len(off) - 1, every):
+        lo, hi = int(off[b]), int(off[b + 1])
+        assert torch.equal(got[b], t.lookup(idx[lo:hi], torch.tensor([0, hi - lo]), psw[lo:hi], mode="mean")[0])
 
 
 @pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
@@ -181,8 +212,7 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
     lengths = torch.randint(0, 60, (max(n // 30, 2),), generator=g)
     lengths[::97] = 0
     lengths[1] = 700  # longer than a window of ids
-    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
-    off[-1] = n
+    off = offsets_of(lengths, n)
     want = torch.nn.functional.embedding_bag(idx, w, off[:-1], mode="sum")
     assert torch.equal(t.lookup(idx, off), want)
 
@@ -194,8 +224,6 @@ def test_lookup_small_table_decoded_whole(threads):
     id). The sums must be the cached path's, bit for bit (weighted, MEAN, empty bags);
     a bad id is reported; and a corrupt row the batch never names must not fail the
     call: the whole-table decode gives up and the call decodes only the rows it names."""
-    from ibp_embed._native import lib
-
     g = torch.Generator().manual_seed(5)
     n_rows, dim, n = 200, 24, 6000
     w = (torch.randn(n_rows, dim, generator=g) * 0.05).to(torch.float16).float()
@@ -204,17 +232,9 @@ def test_lookup_small_table_decoded_whole(threads):
     idx = torch.randint(0, n_rows, (n,), generator=g)
     lengths = torch.randint(0, 40, (n // 20,), generator=g)
     lengths[::7] = 0
-    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
-    off[-1] = n
-    psw = torch.rand(n, generator=g)
-    before = lib.ibp_get_num_threads()
-    lib.ibp_set_num_threads(threads)
-    try:
-        assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w, off[:-1], mode="sum"))
-        got = t.lookup(idx, off, psw, mode="mean")
-        for b in range(0, len(off) - 1, 13):  # a bag at a time: a few ids take the cached path
-            lo, hi = int(off[b]), int(off[b + 1])
-            assert torch.equal(got[b], t.lookup(idx[lo:hi], torch.tensor([0, hi - lo]), psw[lo:hi], mode="mean")[0])
+    off = offsets_of(lengths, n)
+    with native_threads(threads):
+        assert_pools_exactly(t, w, idx, off, torch.rand(n, generator=g), every=13)
         bad = idx.clone()
         bad[n // 3] = n_rows
         with pytest.raises(IndexError):
@@ -228,8 +248,6 @@ def test_lookup_small_table_decoded_whole(threads):
         assert torch.equal(t.lookup(named, off), F.embedding_bag(named, w, off[:-1], mode="sum"))
         with pytest.raises(ibp_embed.FormatError):
             t.lookup(torch.full((n,), n_rows - 1), off)
-    finally:
-        lib.ibp_set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -244,7 +262,6 @@ def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, a
     256: the 1.1M-row table); uniform ids, mostly distinct, are decoded one by one
     in windows instead. Its sums must be the cached path's, bit for bit, with
     weights, MEAN, empty bags, bags longer than a window and a bad id reported."""
-    from ibp_embed._native import lib
     from ibp_embed.datasets import uniform_ids, zipf_ids
 
     g = torch.Generator().manual_seed(21)
@@ -254,27 +271,14 @@ def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, a
     lengths = torch.randint(0, 2 * n // bags, (bags,), generator=g)
     lengths[::53] = 0
     lengths[1] = 300  # longer than a window of ids
-    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0).clamp(max=n)])
-    off[-1] = n
-    psw = torch.rand(n, generator=g)
-    before = lib.ibp_get_num_threads()
-    lib.ibp_set_num_threads(threads)
-    try:
-        assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w, off[:-1], mode="sum"))
-        # weighted sums are fused multiply-adds: compare with a bag at a time (the
-        # cached path: a few ids never overflow the cache)
-        got = t.lookup(idx, off, psw, mode="mean")
-        for b in range(0, bags, 97):
-            lo, hi = int(off[b]), int(off[b + 1])
-            one = t.lookup(idx[lo:hi], torch.tensor([0, hi - lo]), psw[lo:hi], mode="mean")
-            assert torch.equal(got[b], one[0])
+    off = offsets_of(lengths, n)
+    with native_threads(threads):
+        assert_pools_exactly(t, w, idx, off, torch.rand(n, generator=g), every=97)
         for bad_id in (n_rows, -1):
             bad = idx.clone()
             bad[n // 2] = bad_id
             with pytest.raises(IndexError):
                 t.lookup(bad, off)
-    finally:
-        lib.ibp_set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -353,7 +357,6 @@ def test_lookup_many_gives_each_thread_whole_tables_when_they_balance(threads):
     whole ones, each such table is one task (its distinct rows decoded once, not
     once per thread); alone, a table's bags are split among the threads. Both must
     give the one-table lookups' sums bit for bit, whatever rows the tasks share."""
-    from ibp_embed._native import lib
     from ibp_embed.datasets import zipf_ids
     from ibp_embed.table import _lookup_many_checked as lookup_many
 
@@ -364,13 +367,9 @@ def test_lookup_many_gives_each_thread_whole_tables_when_they_balance(threads):
     for k in range(5):
         t = ibp_embed.compress((torch.randn(20000, 8, generator=g) * 0.1).to(torch.bfloat16).float())
         jobs.append((t, zipf_ids(b * pooling, 20000, 1.05, seed=k).numpy(), off, None, "sum"))
-    before = lib.ibp_get_num_threads()
-    lib.ibp_set_num_threads(threads)
-    try:
+    with native_threads(threads):
         got = lookup_many(jobs, b)
         want = torch.cat([lookup_many([job], b) for job in jobs], dim=1)
-    finally:
-        lib.ibp_set_num_threads(before)
     assert torch.equal(got, want)
     for k, (t, ids, _, _, _) in enumerate(jobs):
         assert torch.equal(got[:, 8 * k:8 * (k + 1)],
