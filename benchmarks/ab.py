@@ -110,12 +110,16 @@ def time_pair(calls: dict, outs: dict, repeats: int, flush: np.ndarray | None) -
     return {name: {"min_s": min(t), "median_s": float(np.median(t))} for name, t in times.items()}
 
 
-def measure(what: str, libs: dict, args) -> list[dict]:
-    """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ...}, ...]."""
+def make_table(args):
     dtype = DTYPES[args.dtype]
     weights = (datasets.make_trained_like_table(args.rows, args.dim, dtype) if args.init == "trained" else
                datasets.make_table(args.rows, args.dim, dtype, init=args.init))
-    table = compress(weights, word_bits=args.word_bits, progress=False)
+    return compress(weights, word_bits=args.word_bits, progress=False)
+
+
+def measure(what: str, libs: dict, table, args) -> list[dict]:
+    """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ...}, ...]."""
+    dtype = DTYPES[args.dtype]
     flush = None
     if what == "lookup":
         n = args.batch * args.pooling
@@ -160,6 +164,9 @@ def parse(argv=None):
     bad = [w for w in args.what if w not in WHAT]
     if bad:
         p.error(f"unknown --what {', '.join(bad)}; choose from {', '.join(WHAT)}")
+    for name in ("dim", "rows", "cached_rows", "batch", "pooling", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     return args
 
 
@@ -174,10 +181,11 @@ def main(argv=None) -> dict:
                   file=sys.stderr, flush=True)
             paths[name] = build(spec, Path(tmp) / name)
         libs = {name: load(path) for name, path in paths.items()}
+        table = make_table(args)
         runs = {}
         for what in args.what:
             print(f"[ab] {what}", file=sys.stderr, flush=True)
-            runs[what] = measure(what, libs, args)
+            runs[what] = measure(what, libs, table, args)
     rows = []
     for what, orders in runs.items():
         for r in orders:
