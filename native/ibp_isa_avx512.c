@@ -49,35 +49,41 @@
  * a step's field offsets are excl + extra * (the non-participating lanes below),
  * a popcount, instead of a prefix sum over the lanes. */
 typedef struct step_layout {
+    uint64_t direct_part;        /* the step's header bits when it is cut straight from one 64-byte
+                                  * window (every word participates; see plan_direct); where it
+                                  * has no direct form, a value no header has (one test, not two) */
     uint32_t total, extra_lanes; /* extra_lanes: the lanes with invariant bits */
     uint32_t fixed;              /* the step's first bit when every word before it participates */
     uint8_t extra;               /* 0: no layout (the extras differ, or no lane has any) */
-    uint8_t direct;              /* W = 64: a step whose words all participate is cut straight
-                                  * from one 64-byte window (see plan_direct) */
+    uint8_t shifts;              /* the planned deposit's shifts (see plan_deposit) */
     uint8_t lane_extra[32];      /* W = 16: each lane's extra, whatever the others' (see decode_words16_steps) */
 } step_layout;
 
+/* All that one step of one cluster reads, side by side, so that a decoder walks its
+ * steps with one pointer. Held in parallel arrays instead, each step reloaded every
+ * array's pointer after the previous step's output store (a char store, which may
+ * alias them) and computed an address in each. Against those arrays, with the W = 64
+ * loop walking its steps by pointer and a step's direct form tested by one compare
+ * (direct_part), in-cache decode took 0.79x the time fp32 d128, 0.86x fp16 d64
+ * (W = 64, torchrec init), 0.75-0.91x trained-like W = 32, 0.94-0.96x W = 16 (1
+ * thread, `python -m benchmarks.ab`, both orders). */
+typedef struct plan_step {
+    __m512i ctrl[PLAN_MAX_SHIFTS], sel[PLAN_MAX_SHIFTS]; /* the planned deposit */
+    __m512i bitval, excl;
+    __m512i direct_idx, direct_ctrl[PLAN_MAX_SHIFTS];    /* the direct step (plan_direct) */
+    step_layout layout;
+} plan_step;
+
 /* What the decoders read: one cluster's steps. */
 typedef struct plan_view {
-    const __m512i *ctrl, *sel;  /* [steps][PLAN_MAX_SHIFTS] */
-    const __m512i *bitval;      /* [steps] */
-    const __m512i *excl;        /* [steps] */
-    const step_layout *layout;  /* [steps] */
-    const uint8_t *shifts;      /* [steps]; NULL: this cluster has no plan */
-    const __m512i *direct_idx;  /* [steps] */
-    const __m512i *direct_ctrl; /* [steps][PLAN_MAX_SHIFTS] */
-    int direct;                 /* whether to try the direct steps (W = 64: always; see mostly_full_rows) */
+    const plan_step *steps; /* NULL: this cluster has no plan */
+    int direct;             /* whether to try the direct steps (W = 64: always; see mostly_full_rows) */
 } plan_view;
 
 typedef struct decode_plan {
     uint32_t word_bits, n_words, row_bytes, clusters;
-    uint64_t *masks, *bitvals;  /* copies of the codebook the plan was built for */
-    __m512i *ctrl, *sel;        /* [clusters][steps][PLAN_MAX_SHIFTS] */
-    __m512i *bitval, *excl;     /* [clusters][steps] */
-    step_layout *layout;        /* [clusters][steps] */
-    uint8_t *shifts;            /* [clusters][steps] */
-    __m512i *direct_idx;        /* [clusters][steps] */
-    __m512i *direct_ctrl;       /* [clusters][steps][PLAN_MAX_SHIFTS] */
+    uint64_t *masks, *bitvals; /* copies of the codebook the plan was built for */
+    plan_step *steps;          /* [clusters][steps] */
     plan_view views[PLAN_MAX_CLUSTERS];
     /* The table whose rows set views[].direct (its payload, their bytes and its rows): tables
      * with the same codebook share the plan, not the rows. A table in another's place may
@@ -97,18 +103,9 @@ static int plan_reserve(decode_plan *p, size_t words, size_t steps)
         p->cap_words = p->masks && p->bitvals ? words : 0;
     }
     if (p->cap_steps < steps) {
-        free(p->ctrl), free(p->sel), free(p->bitval), free(p->excl), free(p->layout), free(p->shifts);
-        free(p->direct_idx), free(p->direct_ctrl);
-        p->ctrl = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
-        p->direct_ctrl = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
-        p->direct_idx = aligned_alloc(64, steps * 64);
-        p->sel = aligned_alloc(64, steps * PLAN_MAX_SHIFTS * 64);
-        p->bitval = aligned_alloc(64, steps * 64);
-        p->excl = aligned_alloc(64, steps * 64);
-        p->layout = malloc(steps * sizeof(step_layout));
-        p->shifts = malloc(steps);
-        p->cap_steps = p->ctrl && p->sel && p->bitval && p->excl && p->layout && p->shifts && p->direct_idx &&
-                               p->direct_ctrl ? steps : 0;
+        free(p->steps);
+        p->steps = aligned_alloc(64, steps * sizeof(plan_step)); /* a multiple of 64 bytes */
+        p->cap_steps = p->steps ? steps : 0;
     }
     return p->cap_words >= words && p->cap_steps >= steps;
 }
@@ -120,7 +117,7 @@ static inline void put_lane(__m512i *v, uint32_t l, uint64_t x, uint32_t W)
     memcpy(b, &x, W / 8);
 }
 
-/* The direct form of step `at` (its shifts' control bytes `ctrl`), whose fields
+/* The direct form of step s (its shifts' control bytes s->ctrl), whose fields
  * start at bit `fixed` of the bitstream: a 64-byte window loaded from byte fixed / 8
  * holds every field, and for each 64-bit lane (64 / W words) the 8 bytes from its
  * first field's first byte hold all of its fields, one after the other as in the
@@ -130,11 +127,12 @@ static inline void put_lane(__m512i *v, uint32_t l, uint64_t x, uint32_t W)
  * when the fields do not fit so. A step that starts later (words before it did not
  * participate) shifts its window first, so that the fields lie where the plan
  * expects them. */
-static int plan_direct(decode_plan *p, size_t at, const uint8_t *ctrl, uint32_t fixed, const uint32_t *excl,
+static int plan_direct(const decode_plan *p, plan_step *s, uint32_t fixed, const uint32_t *excl,
                        const uint32_t *vbits)
 {
     const uint32_t W = p->word_bits, per = 64 / W, B = W / 8;
-    uint8_t *idx = (uint8_t *)(p->direct_idx + at), *dctrl = (uint8_t *)(p->direct_ctrl + at * PLAN_MAX_SHIFTS);
+    const uint8_t *ctrl = (const uint8_t *)s->ctrl;
+    uint8_t *idx = (uint8_t *)&s->direct_idx, *dctrl = (uint8_t *)s->direct_ctrl;
     for (uint32_t g = 0; g < 8; g++) {
         const uint32_t first = ((fixed & 7) + excl[g * per]) / 8;
         if (first + 8 > 64)
@@ -162,13 +160,12 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
 {
     const uint32_t W = p->word_bits, lanes = 512 / W;
     const uint64_t low = ibp_low_bits(W);
-    __m512i *bv = p->bitval + (size_t)k * steps;
-    uint8_t *ctrl = (uint8_t *)(p->ctrl + (size_t)k * steps * PLAN_MAX_SHIFTS);
-    uint8_t *sel = (uint8_t *)(p->sel + (size_t)k * steps * PLAN_MAX_SHIFTS);
-    memset(ctrl, 0, (size_t)steps * PLAN_MAX_SHIFTS * 64);
-    memset(sel, 0, (size_t)steps * PLAN_MAX_SHIFTS * 64);
+    plan_step *const ps = p->steps + (size_t)k * steps;
+    memset(ps, 0, (size_t)steps * sizeof *ps);
     uint32_t fixed = 0;
     for (uint32_t st = 0; st < steps; st++) {
+        plan_step *const s = ps + st;
+        uint8_t *ctrl = (uint8_t *)s->ctrl, *sel = (uint8_t *)s->sel;
         uint32_t most = 0, lane_excl[64], lane_vbits[64];
         step_layout lay = {.fixed = fixed};
         int same_extra = 1;
@@ -176,8 +173,8 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
             const uint32_t j = st * lanes + l;
             const uint64_t var = ~mask[j] & low;
             const uint32_t base = (l % (64 / W)) * W, vbits = (uint32_t)__builtin_popcountll(var);
-            put_lane(&bv[st], l, bitval[j], W);
-            put_lane(&p->excl[(size_t)k * steps + st], l, lay.total, W);
+            put_lane(&s->bitval, l, bitval[j], W);
+            put_lane(&s->excl, l, lay.total, W);
             lane_excl[l] = lay.total, lane_vbits[l] = vbits;
             lay.total += vbits;
             if (W == 16)
@@ -189,7 +186,7 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
             }
             uint32_t rank = 0; /* variable bits below the current one */
             for (uint32_t b = 0; b < W / 8; b++) {
-                const size_t at = (size_t)st * PLAN_MAX_SHIFTS * 64 + l * (W / 8) + b; /* shift 0's byte */
+                const size_t at = l * (W / 8) + b; /* shift 0's byte */
                 uint32_t r = 0;
                 for (uint32_t i = 0; i < 8; i++) {
                     const uint32_t bit = 8 * b + i;
@@ -207,12 +204,12 @@ static int plan_cluster(decode_plan *p, uint32_t k, uint32_t steps, const uint64
                 most = r > most ? r : most;
             }
         }
-        p->shifts[(size_t)k * steps + st] = (uint8_t)most;
+        lay.shifts = (uint8_t)most;
         if (!same_extra)
             lay.extra = 0;
-        lay.direct = (uint8_t)plan_direct(p, k * steps + st, ctrl + (size_t)st * PLAN_MAX_SHIFTS * 64, fixed,
-                                              lane_excl, lane_vbits);
-        p->layout[(size_t)k * steps + st] = lay;
+        lay.direct_part = plan_direct(p, s, fixed, lane_excl, lane_vbits) ? (((uint64_t)1 << lanes) - 1)
+                                                                          : (uint64_t)1 << lanes;
+        s->layout = lay;
         fixed += lay.total;
     }
     return 1;
@@ -280,9 +277,7 @@ static const decode_plan *plan_for(const ibp_table *t)
     for (uint32_t k = 0; k < K; k++) {
         const size_t at = (size_t)k * steps;
         int ok = plan_cluster(p, k, steps, cb->masks + (size_t)k * M, cb->bitvals + (size_t)k * M);
-        p->views[k] = (plan_view){p->ctrl + at * PLAN_MAX_SHIFTS, p->sel + at * PLAN_MAX_SHIFTS, p->bitval + at,
-                                  p->excl + at, p->layout + at, ok ? p->shifts + at : NULL, p->direct_idx + at,
-                                  p->direct_ctrl + at * PLAN_MAX_SHIFTS, direct};
+        p->views[k] = (plan_view){ok ? p->steps + at : NULL, direct};
     }
     p->n_words = M, p->row_bytes = cb->row_bytes, p->clusters = K;
     p->direct_for = t->payload, p->direct_for_bytes = t->payload_bytes, p->direct_for_rows = t->n_rows;
@@ -293,17 +288,15 @@ static const decode_plan *plan_for(const ibp_table *t)
 static inline const void *plan_of_cluster(const void *plan, uint32_t k)
 {
     const decode_plan *p = plan;
-    return p && p->views[k].shifts ? &p->views[k] : NULL;
+    return p && p->views[k].steps ? &p->views[k] : NULL;
 }
 #define IBP_PLAN_CLUSTER(plan, k) plan_of_cluster((plan), (k))
 
 static uint64_t plan_release(void)
 {
     decode_plan *p = &tl_plan;
-    const uint64_t held = p->cap_words * 16 + p->cap_steps * ((3 * PLAN_MAX_SHIFTS + 3) * 64 + sizeof(step_layout) + 1);
-    free(p->masks), free(p->bitvals), free(p->ctrl), free(p->sel), free(p->bitval), free(p->excl);
-    free(p->direct_idx), free(p->direct_ctrl);
-    free(p->layout), free(p->shifts);
+    const uint64_t held = p->cap_words * 16 + p->cap_steps * sizeof(plan_step);
+    free(p->masks), free(p->bitvals), free(p->steps);
     memset(p, 0, sizeof *p); /* word_bits 0: no plan until built again */
     return held;
 }
@@ -323,12 +316,11 @@ static inline __m512i plan_deposit(const __m512i *ctrl, const __m512i *sel, __m5
     return dep;
 }
 
-/* Step st of a row whose words all participate, with its direct plan (see
+/* Step s of a row whose words all participate, with its direct plan (see
  * plan_direct); pos is the step's first bit. */
-static inline __attribute__((always_inline)) __m512i direct_step(const plan_view *plan, uint32_t st, const uint8_t *bs,
-                                                                 uint64_t pos)
+static inline __attribute__((always_inline)) __m512i direct_step(const plan_step *s, const uint8_t *bs, uint64_t pos)
 {
-    const uint64_t from = pos - (plan->layout[st].fixed & 7); /* the planned window's first bit (pos >= fixed) */
+    const uint64_t from = pos - (s->layout.fixed & 7); /* the planned window's first bit (pos >= fixed) */
     const uint8_t *q = bs + (from >> 3);
     __m512i win = _mm512_loadu_si512((const void *)q);
     if (from & 7) { /* not when pos == fixed: always shifting cost float16 d64 rows 5-9% */
@@ -337,9 +329,8 @@ static inline __attribute__((always_inline)) __m512i direct_step(const plan_view
                               _mm512_sllv_epi64(_mm512_loadu_si512((const void *)(q + 8)),
                                                 _mm512_sub_epi64(_mm512_set1_epi64(64), s)));
     }
-    const __m512i field = _mm512_permutexvar_epi8(plan->direct_idx[st], win);
-    return plan_deposit(plan->direct_ctrl + (size_t)st * PLAN_MAX_SHIFTS, plan->sel + (size_t)st * PLAN_MAX_SHIFTS,
-                        plan->bitval[st], plan->shifts[st], field);
+    const __m512i field = _mm512_permutexvar_epi8(s->direct_idx, win);
+    return plan_deposit(s->direct_ctrl, s->sel, s->bitval, s->layout.shifts, field);
 }
 
 static inline __m512i shift_lanes_up(__m512i x, int lanes)
@@ -352,36 +343,38 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
     }
 }
 
-/* Decode words [0, 8 * floor(full / 8)) of a W = 64 row; returns how many. */
-static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
+/* Decode words [0, 8 * floor(full / 8)) of a W = 64 row; returns how many. `planned`
+ * (a constant) says that plan_v is not NULL. */
+static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v)
+                                             const void *plan_v, const int planned)
 {
-    const plan_view *plan = plan_v;
+    const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w64 = _mm512_set1_epi64(64);
     const __m512i ones = _mm512_set1_epi64(-1);
     const __m512i bytes01234567 = _mm512_set1_epi64(0x0706050403020100LL);
     const __m512i bytes_x8 = _mm512_set1_epi64(0x0808080808080808LL);
     const __m512i splat_byte = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0808080808080808LL, 0)); /* lane's byte 0 */
     const __m512i lanes_below = _mm512_set_epi64(127, 63, 31, 15, 7, 3, 1, 0); /* lane l: the lanes under it */
+    const plan_step *ps = planned ? plan->steps : NULL; /* step j / 8's */
     uint64_t pos = *pos_io;
     uint32_t j = 0;
-    for (; j + 8 <= full; j += 8) {
+    for (; j + 8 <= full; j += 8, ps += planned) {
         __mmask8 part = hdr[j / 8];
         __m512i excl, n = w64; /* each field's offset from the step's first bit; its length (read
                                 * only by the unplanned deposit) */
         uint64_t step_bits;
-        const step_layout *lay = plan ? &plan->layout[j / 8] : NULL;
-        if (lay && lay->direct && part == 0xff) { /* every word participates */
-            _mm512_storeu_si512((void *)(out + (size_t)j * 8), direct_step(plan, j / 8, bs, pos));
+        const step_layout *lay = planned ? &ps->layout : NULL;
+        if (planned && part == lay->direct_part) { /* every word participates */
+            _mm512_storeu_si512((void *)(out + (size_t)j * 8), direct_step(ps, bs, pos));
             pos += lay->total;
             continue;
         }
         if (lay && lay->extra) { /* the planned layout, corrected for non-participating lanes */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
             const __m512i below = _mm512_and_si512(_mm512_set1_epi64(late), lanes_below);
-            excl = _mm512_add_epi64(plan->excl[j / 8], _mm512_mullo_epi64(_mm512_popcnt_epi64(below),
+            excl = _mm512_add_epi64(ps->excl, _mm512_mullo_epi64(_mm512_popcnt_epi64(below),
                                                                           _mm512_set1_epi64(lay->extra)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
@@ -405,8 +398,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
         __m512i s = _mm512_and_si512(at, _mm512_set1_epi64(7));
         __m512i field = _mm512_shrdv_epi64(b0, b8, s); /* bits s.. of b8:b0 */
         if (plan) { /* planned deposit (see plan_cluster); non-participating lanes keep the raw word */
-            const __m512i *ctrl = plan->ctrl + (j / 8) * PLAN_MAX_SHIFTS, *sel = plan->sel + (j / 8) * PLAN_MAX_SHIFTS;
-            __m512i dep = plan_deposit(ctrl, sel, plan->bitval[j / 8], plan->shifts[j / 8], field);
+            __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi64(field, part, dep);
             _mm512_storeu_si512((void *)(out + (size_t)j * 8), field);
             pos += step_bits;
@@ -432,6 +424,23 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
     return j;
 }
 
+/* Rows without a plan (see plan_for) are rare: their loop is out of line. */
+static __attribute__((noinline)) uint32_t decode_words64_unplanned(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
+                                                                   const uint64_t *mask, const uint64_t *bitval,
+                                                                   const uint8_t *vbits, uint32_t full, uint8_t *out)
+{
+    return decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, NULL, 0);
+}
+
+static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
+                                             const uint64_t *mask, const uint64_t *bitval,
+                                             const uint8_t *vbits, uint32_t full, uint8_t *out,
+                                             const void *plan_v)
+{
+    return plan_v ? decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1)
+                  : decode_words64_unplanned(hdr, bs, pos_io, mask, bitval, vbits, full, out);
+}
+
 /* Decode words [0, 16 * floor(full / 16)) of a W = 32 row; returns how many. The W = 64
  * steps above with sixteen 32-bit lanes: each lane's field is cut from two 4-byte
  * gathers of the window (a field starts at any bit of its first byte and spans at most
@@ -451,22 +460,24 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
     const __m512i lanes_below = _mm512_set_epi32(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f, 0x3f,
                                                  0x1f, 0xf, 0x7, 0x3, 0x1, 0);
     const __m512i zero = _mm512_setzero_si512();
+    const plan_step *const steps = plan ? plan->steps : NULL; /* in a register, not reloaded after stores */
     uint64_t pos = *pos_io;
     uint32_t j = 0;
     for (; j + 16 <= full; j += 16) {
         __mmask16 part = (__mmask16)(hdr[j / 8] | (hdr[j / 8 + 1] << 8));
         __m512i excl, n = w32;
         uint64_t step_bits;
-        const step_layout *lay = plan ? &plan->layout[j / 16] : NULL;
-        if (direct && part == 0xffff && lay->direct) { /* as in decode_words64_avx512 */
-            _mm512_storeu_si512((void *)(out + (size_t)j * 4), direct_step(plan, j / 16, bs, pos));
+        const plan_step *ps = steps ? steps + j / 16 : NULL;
+        const step_layout *lay = ps ? &ps->layout : NULL;
+        if (direct && part == lay->direct_part) { /* as in decode_words64_avx512 */
+            _mm512_storeu_si512((void *)(out + (size_t)j * 4), direct_step(ps, bs, pos));
             pos += lay->total;
             continue;
         }
         if (lay && lay->extra) { /* as in decode_words64_avx512 */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
             const __m512i below = _mm512_and_si512(_mm512_set1_epi32((int)late), lanes_below);
-            excl = _mm512_add_epi32(plan->excl[j / 16], _mm512_mullo_epi32(_mm512_popcnt_epi32(below),
+            excl = _mm512_add_epi32(ps->excl, _mm512_mullo_epi32(_mm512_popcnt_epi32(below),
                                                                            _mm512_set1_epi32(lay->extra)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
@@ -489,8 +500,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
         __m512i sh = _mm512_and_si512(at, _mm512_set1_epi32(7));
         __m512i field = _mm512_shrdv_epi32(b0, b4, sh);
         if (plan) { /* as in decode_words64_avx512 */
-            const __m512i *ctrl = plan->ctrl + (j / 16) * PLAN_MAX_SHIFTS, *sel = plan->sel + (j / 16) * PLAN_MAX_SHIFTS;
-            __m512i dep = plan_deposit(ctrl, sel, plan->bitval[j / 16], plan->shifts[j / 16], field);
+            __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi32(field, part, dep);
             _mm512_storeu_si512((void *)(out + (size_t)j * 4), field);
             pos += step_bits;
@@ -555,6 +565,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     const __m512i group_below = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
                                                  0, 0, 0, 0, 0, 0, 0, 0); /* lanes 0-7: none (masked) */
     const __m512i zero = _mm512_setzero_si512();
+    const plan_step *const steps = plan ? plan->steps : NULL; /* in a register, not reloaded after stores */
     uint64_t pos = *pos_io;
     uint32_t j = 0;
     for (; j + 32 <= full; j += 32) {
@@ -563,9 +574,10 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
         __mmask32 part = (__mmask32)bits;
         __m512i excl, n = w16;
         uint64_t step_bits;
-        const step_layout *lay = plan ? &plan->layout[j / 32] : NULL;
-        if (direct && part == 0xffffffffu && lay->direct) { /* as in decode_words64_avx512 */
-            _mm512_storeu_si512((void *)(out + (size_t)j * 2), direct_step(plan, j / 32, bs, pos));
+        const plan_step *ps = steps ? steps + j / 32 : NULL;
+        const step_layout *lay = ps ? &ps->layout : NULL;
+        if (direct && part == lay->direct_part) { /* as in decode_words64_avx512 */
+            _mm512_storeu_si512((void *)(out + (size_t)j * 2), direct_step(ps, bs, pos));
             pos += lay->total;
             continue;
         }
@@ -585,7 +597,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
             const __m256i sums = _mm256_mullo_epi64(_mm256_maskz_permutexvar_epi8(0x55, group_last, incl),
                                                     _mm256_set1_epi64x(0x0001000100010001LL));
             step_bits = lay->total + ((uint64_t)_mm256_cvtsi256_si32(_mm256_srli_epi64(sums, 48)) & 0xffff);
-            excl = _mm512_add_epi16(_mm512_add_epi16(plan->excl[j / 32], _mm512_cvtepu8_epi16(_mm256_sub_epi8(incl, x))),
+            excl = _mm512_add_epi16(_mm512_add_epi16(ps->excl, _mm512_cvtepu8_epi16(_mm256_sub_epi8(incl, x))),
                                     _mm512_maskz_permutexvar_epi16(0xffffff00u, group_below, _mm512_castsi256_si512(sums)));
         } else {
             __m512i vb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(vbits + j)));
@@ -608,8 +620,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
         __m512i sh = _mm512_and_si512(at, _mm512_set1_epi16(7));
         __m512i field = _mm512_shrdv_epi16(b0, b2, sh);
         if (plan) { /* as in decode_words64_avx512 */
-            const __m512i *ctrl = plan->ctrl + (j / 32) * PLAN_MAX_SHIFTS, *sel = plan->sel + (j / 32) * PLAN_MAX_SHIFTS;
-            __m512i dep = plan_deposit(ctrl, sel, plan->bitval[j / 32], plan->shifts[j / 32], field);
+            __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi16(field, part, dep);
             _mm512_storeu_si512((void *)(out + (size_t)j * 2), field);
             pos += step_bits;
