@@ -578,3 +578,31 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
                     assert_bits_equal(t.gather(ids), x[ids])
     finally:
         lib.ibp_set_isa(before)
+
+
+def test_full_row_fast_path_reads_the_header():
+    """The AVX-512 decoders take a row whose every word participates straight from the
+    plan's direct steps, recognised by its length and its header. A row with a word that
+    does not participate can have the same length: here word 0 has one invariant bit
+    (its top bit), so a row whose word 0 breaks it is 1 bit longer, which the last byte
+    of a full row's bitstream (441 bits) has room for. Only the header tells them apart;
+    every instruction set must decode both kinds bit for bit."""
+    from ibp_embed._native import lib
+
+    g = torch.Generator().manual_seed(47)
+    w = torch.randint(0, 2**54, (600, 8), generator=g, dtype=torch.int64)
+    w[:, 0] = torch.randint(0, 2**62, (600,), generator=g) * 2 + torch.randint(0, 2, (600,), generator=g)  # 63 bits
+    odd = torch.arange(600) % 50 == 7
+    w[odd, 0] |= -(2**63)  # the invariant top bit broken: word 0 does not participate
+    t = ibp_embed.compress(w, word_bits=64, threshold=0.9)
+    lengths = t.row_lengths()
+    assert t.clusters == 1 and not t.is_raw and len(np.unique(lengths)) == 1  # same length, either kind
+    ids = torch.randint(0, 600, (300,), generator=g)
+    before = lib.ibp_isa()
+    try:
+        for isa in range(before + 1):
+            assert lib.ibp_set_isa(isa) == 0
+            assert_bits_equal(t.decompress(), w)
+            assert_bits_equal(t.gather(ids), w[ids])
+    finally:
+        lib.ibp_set_isa(before)
