@@ -17,6 +17,20 @@ LOOKUP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SECTIONS = ("masks", "bitvals", "block_base", "rel", "payload")
 
 
+def every_isa():
+    """Runs the loop body once per instruction set libibp has for this CPU (0: portable C,
+    up to the one it picked), with that set's kernels; the picked one again afterwards."""
+    from ibp_embed._native import lib
+
+    before = lib.ibp_isa()
+    try:
+        for isa in range(before + 1):
+            assert lib.ibp_set_isa(isa) == 0
+            yield isa
+    finally:
+        lib.ibp_set_isa(before)
+
+
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor):
     """Same dtype, shape and bytes (NaN payloads, signed zeros and all)."""
     assert got.dtype == want.dtype

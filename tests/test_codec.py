@@ -12,7 +12,7 @@ import ibp_embed
 from ibp_embed import reference as ref
 from ibp_embed.table import CompressedTable
 
-from helpers import (ALL_DTYPES, WORD_BITS, assert_bits_equal, from_bytes, magnitude_clusters,
+from helpers import (ALL_DTYPES, WORD_BITS, assert_bits_equal, every_isa, from_bytes, magnitude_clusters,
                      random_bits, structured, to_bytes)
 
 
@@ -524,8 +524,6 @@ def test_decode_plans_place_fields_after_words_that_do_not_participate(word_bits
     [1, 2) share their exponent; scattered outliers (another exponent) make single
     words, and so the fields after them, move. Every instruction set must decode the
     table bit for bit."""
-    from ibp_embed._native import lib
-
     g = torch.Generator().manual_seed(43)
     w = (1 + torch.rand(900, 128, generator=g)).to(dtype)
     outliers = torch.rand(900, 128, generator=g) < outliers
@@ -534,14 +532,9 @@ def test_decode_plans_place_fields_after_words_that_do_not_participate(word_bits
     lengths = t.row_lengths()
     assert t.clusters == 1 and len(np.unique(lengths)) > 3  # outliers do not participate: longer rows
     ids = torch.randint(0, 900, (400,), generator=g)
-    before = lib.ibp_isa()
-    try:
-        for isa in range(before + 1):
-            assert lib.ibp_set_isa(isa) == 0
-            assert_bits_equal(t.decompress(), w)
-            assert_bits_equal(t.gather(ids), w[ids])
-    finally:
-        lib.ibp_set_isa(before)
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
 
 
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
@@ -554,8 +547,6 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
     without one); two tables of one shape decoded in turn must not share a plan; a
     table of four magnitudes has a plan per cluster. Every instruction set must
     decode all of them bit for bit."""
-    from ibp_embed._native import lib
-
     g = torch.Generator().manual_seed(41)
     cols = torch.arange(96)
     scale = torch.pow(2.0, (cols % 23 - 11).float()) * torch.where(cols % 3 == 0, -1.0, 1.0)
@@ -568,16 +559,11 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
     tables.append((ibp_embed.compress(d, word_bits=word_bits, clusters=4), d))
     assert tables[-1][0].clusters > 1
     ids = torch.randint(0, 700, (300,), generator=g)
-    before = lib.ibp_isa()
-    try:
-        for isa in range(before + 1):
-            assert lib.ibp_set_isa(isa) == 0
-            for _ in range(2):
-                for t, x in tables:
-                    assert_bits_equal(t.decompress(), x)
-                    assert_bits_equal(t.gather(ids), x[ids])
-    finally:
-        lib.ibp_set_isa(before)
+    for _ in every_isa():
+        for _ in range(2):
+            for t, x in tables:
+                assert_bits_equal(t.decompress(), x)
+                assert_bits_equal(t.gather(ids), x[ids])
 
 
 def test_full_row_fast_path_reads_the_header():
@@ -587,8 +573,6 @@ def test_full_row_fast_path_reads_the_header():
     (its top bit), so a row whose word 0 breaks it is 1 bit longer, which the last byte
     of a full row's bitstream (441 bits) has room for. Only the header tells them apart;
     every instruction set must decode both kinds bit for bit."""
-    from ibp_embed._native import lib
-
     g = torch.Generator().manual_seed(47)
     w = torch.randint(0, 2**54, (600, 8), generator=g, dtype=torch.int64)
     w[:, 0] = torch.randint(0, 2**62, (600,), generator=g) * 2 + torch.randint(0, 2, (600,), generator=g)  # 63 bits
@@ -598,11 +582,6 @@ def test_full_row_fast_path_reads_the_header():
     lengths = t.row_lengths()
     assert t.clusters == 1 and not t.is_raw and len(np.unique(lengths)) == 1  # same length, either kind
     ids = torch.randint(0, 600, (300,), generator=g)
-    before = lib.ibp_isa()
-    try:
-        for isa in range(before + 1):
-            assert lib.ibp_set_isa(isa) == 0
-            assert_bits_equal(t.decompress(), w)
-            assert_bits_equal(t.gather(ids), w[ids])
-    finally:
-        lib.ibp_set_isa(before)
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])

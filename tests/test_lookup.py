@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import ibp_embed
 
-from helpers import LOOKUP_DTYPES, assert_bits_equal, magnitude_clusters, random_bits, structured
+from helpers import LOOKUP_DTYPES, assert_bits_equal, every_isa, magnitude_clusters, random_bits, structured
 
 
 # ---------------------------------------------------------------- pooled lookup
@@ -286,22 +286,13 @@ def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, a
 def test_lookup_is_identical_on_every_kernel_set(dtype, mode):
     """Pooling rounds the same whatever the ISA (weighted sums use one fused multiply-add
     per element everywhere), so results do not depend on the CPU."""
-    from ibp_embed._native import lib
-
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(500, 24, generator=g) * 0.1).to(dtype)
     t = ibp_embed.compress(w)
     idx = torch.randint(0, 500, (300,), generator=g)
     off = torch.arange(0, 301, 10)
     psw = torch.rand(300, generator=g) * 3
-    before = lib.ibp_isa()
-    try:
-        outs = []
-        for isa in range(before + 1):
-            assert lib.ibp_set_isa(isa) == 0
-            outs.append((t.lookup(idx, off, psw, mode=mode), t.lookup(idx, off, mode=mode)))
-    finally:
-        lib.ibp_set_isa(before)
+    outs = [(t.lookup(idx, off, psw, mode=mode), t.lookup(idx, off, mode=mode)) for _ in every_isa()]
     for weighted, plain in outs[1:]:
         assert torch.equal(weighted, outs[0][0]) and torch.equal(plain, outs[0][1])
 

@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 import ibp_embed
 from ibp_embed import CompressedTable, FormatError, io, ops
 from ibp_embed import reference as ref
-from ibp_embed._native import lib
 from ibp_embed.store import UpdatableTable
 from ibp_embed.table import _lookup_many_checked
 
-from helpers import (ALL_DTYPES, LOOKUP_DTYPES, WORD_BITS, assert_bits_equal, random_bits, structured,
+from helpers import (ALL_DTYPES, LOOKUP_DTYPES, WORD_BITS, assert_bits_equal, every_isa, random_bits, structured,
                      table_sections, to_bytes, write_ibp)
 
 
@@ -81,19 +80,13 @@ def test_raw_reads_on_every_kernel_set(dtype, mode):
     off = torch.tensor([0, 0, 5, 60, 61, 200])
     psw = torch.rand(200, generator=g)
     want = torch.nn.functional.embedding_bag(ids, w.float(), off[:-1], mode=mode, per_sample_weights=None)
-    before = lib.ibp_isa()
-    try:
-        for isa in (lib.IBP_ISA_GENERIC, lib.IBP_ISA_V3, lib.IBP_ISA_AVX512):
-            if lib.ibp_set_isa(isa) != lib.IBP_OK:
-                continue
-            assert_bits_equal(t.decompress(), w)
-            assert_bits_equal(t.gather(ids.reshape(20, 10)), w[ids].reshape(20, 10, 12))
-            torch.testing.assert_close(t.lookup(ids, off, mode=mode), want, rtol=1e-6, atol=1e-6)
-            weighted = t.lookup(ids, off, psw, mode="sum")
-            encoded = ibp_embed.compress(w, allow_raw=False).lookup(ids, off, psw, mode="sum")
-            assert torch.equal(weighted, encoded)  # the same pooling, whatever the storage
-    finally:
-        lib.ibp_set_isa(before)
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids.reshape(20, 10)), w[ids].reshape(20, 10, 12))
+        torch.testing.assert_close(t.lookup(ids, off, mode=mode), want, rtol=1e-6, atol=1e-6)
+        weighted = t.lookup(ids, off, psw, mode="sum")
+        encoded = ibp_embed.compress(w, allow_raw=False).lookup(ids, off, psw, mode="sum")
+        assert torch.equal(weighted, encoded)  # the same pooling, whatever the storage
 
 
 def test_raw_lookup_refuses_out_of_range_ids():
