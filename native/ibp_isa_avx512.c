@@ -520,9 +520,9 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
 static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v, const int direct)
+                                             const void *plan_v, const int planned, const int direct)
 {
-    const plan_view *plan = plan_v;
+    const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w32 = _mm512_set1_epi32(32);
     const __m512i ones = _mm512_set1_epi32(-1);
     const __m512i bytes0123 = _mm512_set1_epi32(0x03020100);
@@ -531,15 +531,16 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
     const __m512i lanes_below = _mm512_set_epi32(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f, 0x3f,
                                                  0x1f, 0xf, 0x7, 0x3, 0x1, 0);
     const __m512i zero = _mm512_setzero_si512();
-    const plan_step *const steps = plan ? plan->steps : NULL; /* in a register, not reloaded after stores */
+    const plan_step *ps = planned ? plan->steps : NULL; /* step j / 16's */
     uint64_t pos = *pos_io;
     uint32_t j = 0;
-    for (; j + 16 <= full; j += 16) {
-        __mmask16 part = (__mmask16)(hdr[j / 8] | (hdr[j / 8 + 1] << 8));
+    for (; j + 16 <= full; j += 16, ps += planned) {
+        uint16_t bits;
+        memcpy(&bits, hdr + j / 8, 2);
+        __mmask16 part = (__mmask16)bits;
         __m512i excl, n = w32;
         uint64_t step_bits;
-        const plan_step *ps = steps ? steps + j / 16 : NULL;
-        const step_layout *lay = ps ? &ps->layout : NULL;
+        const step_layout *lay = planned ? &ps->layout : NULL;
         if (direct && part == lay->direct_part) { /* as in decode_words64_avx512 */
             _mm512_storeu_si512((void *)(out + (size_t)j * 4), direct_step(ps, bs, pos));
             pos += lay->total;
@@ -622,9 +623,9 @@ static inline __m512i shift_words_up(__m512i x, int k)
 static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v, const int direct)
+                                             const void *plan_v, const int planned, const int direct)
 {
-    const plan_view *plan = plan_v;
+    const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w16 = _mm512_set1_epi16(16);
     const __m512i ones = _mm512_set1_epi16(-1);
     const __m512i bytes01 = _mm512_set1_epi16(0x0100);
@@ -636,17 +637,16 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     const __m512i group_below = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
                                                  0, 0, 0, 0, 0, 0, 0, 0); /* lanes 0-7: none (masked) */
     const __m512i zero = _mm512_setzero_si512();
-    const plan_step *const steps = plan ? plan->steps : NULL; /* in a register, not reloaded after stores */
+    const plan_step *ps = planned ? plan->steps : NULL; /* step j / 32's */
     uint64_t pos = *pos_io;
     uint32_t j = 0;
-    for (; j + 32 <= full; j += 32) {
+    for (; j + 32 <= full; j += 32, ps += planned) {
         uint32_t bits;
         memcpy(&bits, hdr + j / 8, 4);
         __mmask32 part = (__mmask32)bits;
         __m512i excl, n = w16;
         uint64_t step_bits;
-        const plan_step *ps = steps ? steps + j / 32 : NULL;
-        const step_layout *lay = ps ? &ps->layout : NULL;
+        const step_layout *lay = planned ? &ps->layout : NULL;
         if (direct && part == lay->direct_part) { /* as in decode_words64_avx512 */
             _mm512_storeu_si512((void *)(out + (size_t)j * 2), direct_step(ps, bs, pos));
             pos += lay->total;
@@ -725,26 +725,36 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     return j;
 }
 
-/* The W = 32 and W = 16 loops above, each compiled twice: with the direct branch (a
- * call per row) and without it (see mostly_full_rows). One loop testing the plan's flag decoded the tables
- * without direct steps 3-6% slower (fp32 d128, torchrec init and trained-like, W = 16
- * and 32), and both loops inlined into the row decoder made fp32 W = 64 lookups 1-11%
- * slower in 5 of 6 runs (the quick Zipf set). */
+/* The W = 32 and W = 16 loops above, each compiled three times: with the direct branch
+ * (a call per row), without it (see mostly_full_rows), and for the rare rows without a
+ * plan (a call per row). One loop testing the plan's flag decoded the tables without
+ * direct steps 3-6% slower (fp32 d128, torchrec init and trained-like, W = 16 and 32),
+ * and both loops inlined into the row decoder made fp32 W = 64 lookups 1-11% slower in
+ * 5 of 6 runs (the quick Zipf set). With the plan a constant and the steps walked by
+ * pointer, as at W = 64: 0.89-0.94x the time in cache (fp32 d128 torchrec init and
+ * trained-like, fp16 d64; benchmarks.ab, both orders). */
 #define DECODE_WORDS_ENTRY(W)                                                                                     \
     static __attribute__((noinline)) uint32_t decode_words##W##_direct(                                            \
         const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
         const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v)                                     \
     {                                                                                                              \
-        return decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1);                \
+        return decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, 1);             \
+    }                                                                                                              \
+    static __attribute__((noinline)) uint32_t decode_words##W##_unplanned(                                         \
+        const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
+        const uint8_t *vbits, uint32_t full, uint8_t *out)                                                         \
+    {                                                                                                              \
+        return decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, NULL, 0, 0);               \
     }                                                                                                              \
     static inline __attribute__((always_inline)) uint32_t decode_words##W##_avx512(                                \
         const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
         const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v)                                     \
     {                                                                                                              \
         const plan_view *plan = plan_v;                                                                            \
-        return plan && plan->direct                                                                                \
-                   ? decode_words##W##_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)             \
-                   : decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 0);         \
+        if (!plan)                                                                                                 \
+            return decode_words##W##_unplanned(hdr, bs, pos_io, mask, bitval, vbits, full, out);                   \
+        return plan->direct ? decode_words##W##_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)    \
+                            : decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, 0); \
     }
 DECODE_WORDS_ENTRY(32)
 DECODE_WORDS_ENTRY(16)
