@@ -22,7 +22,7 @@ FBGEMM := $(if $(shell command -v nvidia-smi 2>/dev/null),fbgemm-gpu==1.8.0,fbge
 
 HEADERS := $(wildcard native/*.h) native/ibp_rowcodec.inc native/ibp_lookup.inc native/ibp_pool.inc native/ibp_optim.inc
 
-.PHONY: all lib cuda venv demo test bench clean
+.PHONY: all lib cuda venv demo test bench sanitize clean
 all: lib cuda venv
 
 lib: $(LIB)
@@ -60,7 +60,7 @@ $(BUILD)/isa_v3.o: native/ibp_isa_v3.c $(HEADERS) | $(BUILD)
 $(BUILD)/isa_avx512.o: native/ibp_isa_avx512.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v4 -mavx512vbmi -mavx512vbmi2 -mavx512vpopcntdq -mavx512bitalg -c $< -o $@
 $(LIB): $(BUILD)/ibp.o $(BUILD)/store.o $(BUILD)/store_backward.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_avx512.o
-	$(CC) -shared -fopenmp -pthread $^ -o $@ -lm
+	$(CC) -shared -fopenmp -pthread $(LDFLAGS_LIB) $^ -o $@ -lm
 $(BUILD):
 	mkdir -p $@
 
@@ -88,5 +88,18 @@ bench: all
 	$(PY) -m benchmarks.codec $(ARGS)
 	$(PY) -m benchmarks.training $(ARGS)
 
+# libibp built with AddressSanitizer and UBSan (any finding aborts), and the tests of
+# the native codec, lookups, stores and the file checks run against it. Python is not
+# instrumented, so the sanitizer runtimes are preloaded.
+SAN_BUILD := native/build-sanitize
+SAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+sanitize: venv
+	$(MAKE) --no-print-directory lib BUILD=$(SAN_BUILD) LDFLAGS_LIB="$(SAN_FLAGS)" \
+		CFLAGS_LIB="$(subst -O3,$(SAN_FLAGS),$(CFLAGS_LIB))"
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0 IBP_LIBRARY=$(SAN_BUILD)/libibp.so \
+		$(PY) -m pytest -q --capture=sys -p no:cacheprovider tests/test_codec.py tests/test_lookup.py tests/test_raw_tables.py \
+		tests/test_reference.py tests/test_hardening.py tests/test_store.py tests/test_thread_buffers.py
+
 clean:
-	rm -rf $(BUILD) $(VENV) .pytest_cache .hypothesis
+	rm -rf $(BUILD) $(SAN_BUILD) $(VENV) .pytest_cache .hypothesis
