@@ -23,6 +23,7 @@ benchmarks/results/ab-<UTC time>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,9 @@ def build(spec: str, into: Path) -> Path:
     return into / "libibp.so"
 
 
+ISAS = {"generic": 0, "v3": 1, "avx512": 2}  # IBP_ISA_* in native/ibp.h
+
+
 def load(path: Path):
     lib = _native.ffi.dlopen(str(path))
     if lib.ibp_abi_version() != _native.lib.ibp_abi_version():
@@ -75,6 +79,21 @@ def load(path: Path):
                          f"{_native.lib.ibp_abi_version()}: the builds cannot share its tables")
     lib.ibp_set_num_threads(1)
     return lib
+
+
+@contextlib.contextmanager
+def kernels(libs: dict, isa: str | None):
+    """Each build on the named kernel set, then back on its own choice (a build given as
+    the package's libibp.so is the package's library, dlopen'ed twice)."""
+    before = {name: lib.ibp_isa() for name, lib in libs.items()}
+    try:
+        for lib in libs.values():
+            if isa and lib.ibp_set_isa(ISAS[isa]):
+                raise SystemExit(f"ab: this CPU cannot run libibp's {isa} kernels")
+        yield
+    finally:
+        for name, lib in libs.items():
+            lib.ibp_set_isa(before[name])
 
 
 # ================================================================ calls
@@ -157,6 +176,7 @@ def parse(argv=None):
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--dist", choices=("zipf", "uniform"), default="zipf")
     p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--isa", choices=tuple(ISAS), help="the kernels both builds run (default: the best this CPU has)")
     p.add_argument("--repeats", type=int, default=50, help="timed rounds per order (default 50)")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
@@ -183,9 +203,10 @@ def main(argv=None) -> dict:
         libs = {name: load(path) for name, path in paths.items()}
         table = make_table(args)
         runs = {}
-        for what in args.what:
-            print(f"[ab] {what}", file=sys.stderr, flush=True)
-            runs[what] = measure(what, libs, table, args)
+        with kernels(libs, args.isa):
+            for what in args.what:
+                print(f"[ab] {what}", file=sys.stderr, flush=True)
+                runs[what] = measure(what, libs, table, args)
     rows = []
     for what, orders in runs.items():
         for r in orders:
@@ -195,7 +216,7 @@ def main(argv=None) -> dict:
                          common.fmt(b["median_s"] * 1e3, 3), common.fmt(b["median_s"] / a["median_s"], 3)])
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     print(f"A = {args.a}, B = {args.b}; {args.dtype} d{args.dim} {args.init}, {args.rows} rows, "
-          f"W {args.word_bits or 'auto'}; 1 thread; load average {common.load_average()}\n")
+          f"W {args.word_bits or 'auto'}; {args.isa or 'best'} kernels; 1 thread; load average {common.load_average()}\n")
     print(common.markdown_table(["measure", "order", "A min ms", "B min ms", "B / A", "A median ms",
                                  "B median ms", "B / A (median)"], rows))
     result = {"machine": common.machine_info(), "config": config, "runs": runs}

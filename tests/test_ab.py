@@ -31,6 +31,15 @@ def test_two_built_libraries_in_both_orders(tmp_path):
     assert saved["config"]["dtype"] == "float16" and saved["config"]["word_bits"] == 16
 
 
+def test_kernel_set_is_chosen_then_given_back(tmp_path):
+    lib = package_library()
+    before = _native.lib.ibp_isa()
+    got = ab.main([lib, lib, *TINY, "--what", "decode", "--isa", "generic", "--word-bits", "32",
+                   "--results-dir", str(tmp_path)])
+    assert got["config"]["isa"] == "generic"
+    assert _native.lib.ibp_isa() == before  # the package's library is back on its own kernels
+
+
 def test_revision_and_working_tree_are_built(tmp_path):
     got = ab.main(["HEAD", ".", *TINY, "--what", "lookup", "--dist", "uniform", "--results-dir", str(tmp_path)])
     assert [r["order"] for r in got["runs"]["lookup"]] == ["A, B", "B, A"]
