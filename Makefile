@@ -57,9 +57,11 @@ $(BUILD)/isa_generic.o: native/ibp_isa_generic.c $(HEADERS) | $(BUILD)
 # Only called after a run-time CPU check, so the library still loads on older CPUs.
 $(BUILD)/isa_v3.o: native/ibp_isa_v3.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v3 -c $< -o $@
+$(BUILD)/isa_v3_no_pdep.o: native/ibp_isa_v3.c $(HEADERS) | $(BUILD)
+	$(CC) $(CFLAGS_LIB) -march=x86-64-v3 -DIBP_V3_NO_PDEP -c $< -o $@
 $(BUILD)/isa_avx512.o: native/ibp_isa_avx512.c $(HEADERS) | $(BUILD)
 	$(CC) $(CFLAGS_LIB) -march=x86-64-v4 -mavx512vbmi -mavx512vbmi2 -mavx512vpopcntdq -mavx512bitalg -c $< -o $@
-$(LIB): $(BUILD)/ibp.o $(BUILD)/store.o $(BUILD)/store_backward.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_avx512.o
+$(LIB): $(BUILD)/ibp.o $(BUILD)/store.o $(BUILD)/store_backward.o $(BUILD)/isa_generic.o $(BUILD)/isa_v3.o $(BUILD)/isa_v3_no_pdep.o $(BUILD)/isa_avx512.o
 	$(CC) -shared -fopenmp -pthread $(LDFLAGS_LIB) $^ -o $@ -lm
 $(BUILD):
 	mkdir -p $@

@@ -69,9 +69,6 @@ def build(spec: str, into: Path) -> Path:
     return into / "libibp.so"
 
 
-ISAS = {"generic": 0, "v3": 1, "avx512": 2}  # IBP_ISA_* in native/ibp.h
-
-
 def load(path: Path):
     lib = _native.ffi.dlopen(str(path))
     if lib.ibp_abi_version() != _native.lib.ibp_abi_version():
@@ -88,7 +85,7 @@ def kernels(libs: dict, isa: str | None):
     before = {name: lib.ibp_isa() for name, lib in libs.items()}
     try:
         for lib in libs.values():
-            if isa and lib.ibp_set_isa(ISAS[isa]):
+            if isa and lib.ibp_set_isa(_native.KERNEL_SETS[isa]):
                 raise SystemExit(f"ab: this CPU cannot run libibp's {isa} kernels")
         yield
     finally:
@@ -176,7 +173,8 @@ def parse(argv=None):
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--dist", choices=("zipf", "uniform"), default="zipf")
     p.add_argument("--alpha", type=float, default=1.05)
-    p.add_argument("--isa", choices=tuple(ISAS), help="the kernels both builds run (default: the best this CPU has)")
+    p.add_argument("--isa", choices=tuple(_native.KERNEL_SETS),
+                   help="the kernels both builds run (default: the best this CPU has)")
     p.add_argument("--repeats", type=int, default=50, help="timed rounds per order (default 50)")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)

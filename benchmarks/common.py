@@ -84,7 +84,7 @@ def machine_info(extra_versions: tuple = ()) -> dict:
         "versions": {m: _version(m) for m in
                      ("torch", "numpy", "ibp_embed", "zstandard", "lz4", "blosc2", "fbgemm_gpu", "torchrec",
                       *extra_versions)},
-        "ibp_isa": ["generic", "x86-64-v3", "avx512"][_native.lib.ibp_isa()],
+        "ibp_isa": {isa: name for name, isa in _native.KERNEL_SETS.items()}[_native.lib.ibp_isa()],
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(dirty) if dirty is not None else None,
         "libibp_sha256_16": lib_sha,  # identifies the native build when the tree is dirty

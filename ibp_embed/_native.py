@@ -72,6 +72,10 @@ def _load():
 
 lib = _load()
 
+#: libibp's row-kernel sets (IBP_ISA_* in native/ibp.h), by name; lib.ibp_isa() is the one in use.
+KERNEL_SETS = {"generic": lib.IBP_ISA_GENERIC, "v3": lib.IBP_ISA_V3, "v3-no-pdep": lib.IBP_ISA_V3_NO_PDEP,
+               "avx512": lib.IBP_ISA_AVX512}
+
 
 def check(rc: int, what: str) -> None:
     """Turn a libibp return code into the matching Python exception."""

@@ -4,6 +4,9 @@
 #include <string.h>
 
 #include <omp.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 
 #include "ibp_bits.h"
 #include "ibp_internal.h"
@@ -30,6 +33,25 @@ void ibp_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
 int ibp_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 int ibp_get_num_threads(void) { return ibp_threads(); }
 
+/* Whether pext and pdep are microcoded: AMD family 17h (Zen, Zen+, Zen 2) and its
+ * Hygon relative, family 18h. Zen 3 (19h) and later do them in a few cycles. */
+static int slow_pdep(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d))
+        return 0;
+    const int amd = (b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163) || /* AuthenticAMD */
+                    (b == 0x6f677948 && d == 0x6e65476e && c == 0x656e6975);  /* HygonGenuine */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    const unsigned family = ((a >> 8) & 0xf) == 0xf ? 0xf + ((a >> 20) & 0xff) : (a >> 8) & 0xf;
+    return family == 0x17 || family == 0x18;
+#else
+    return 0;
+#endif
+}
+
 static int cpu_has(int isa)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -37,7 +59,7 @@ static int cpu_has(int isa)
     int v3 = __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("avx2") &&
              __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
              __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("lzcnt");
-    if (isa == IBP_ISA_V3)
+    if (isa == IBP_ISA_V3 || isa == IBP_ISA_V3_NO_PDEP)
         return v3;
     if (isa == IBP_ISA_AVX512)
         return v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -50,16 +72,18 @@ static int cpu_has(int isa)
 }
 
 static const ibp_kernels *const isa_kernels[] = {
-    &ibp_kernels_generic, &ibp_kernels_v3, &ibp_kernels_avx512,
+    &ibp_kernels_generic, &ibp_kernels_v3, &ibp_kernels_avx512, &ibp_kernels_v3_no_pdep,
 };
+_Static_assert(sizeof isa_kernels / sizeof *isa_kernels == IBP_ISA_COUNT, "a kernel set per IBP_ISA_*");
 static int g_isa = -1;
 
 static const ibp_kernels *kernels(void)
 {
     if (g_isa < 0)
         g_isa = cpu_has(IBP_ISA_AVX512) ? IBP_ISA_AVX512
-              : cpu_has(IBP_ISA_V3)     ? IBP_ISA_V3
-                                        : IBP_ISA_GENERIC;
+              : !cpu_has(IBP_ISA_V3)    ? IBP_ISA_GENERIC
+              : slow_pdep()             ? IBP_ISA_V3_NO_PDEP
+                                        : IBP_ISA_V3;
     return isa_kernels[g_isa];
 }
 
@@ -69,7 +93,7 @@ uint64_t ibp_release_thread_buffers(void)
 {
     uint64_t freed = 0;
 #pragma omp parallel num_threads(ibp_threads()) reduction(+ : freed)
-    for (int isa = IBP_ISA_GENERIC; isa <= IBP_ISA_AVX512; isa++) /* any set may have run (ibp_set_isa) */
+    for (int isa = 0; isa < IBP_ISA_COUNT; isa++) /* any set may have run (ibp_set_isa) */
         if (cpu_has(isa))
             freed += isa_kernels[isa]->release_thread_buffers();
     return freed;
@@ -83,7 +107,7 @@ int ibp_isa(void)
 
 int ibp_set_isa(int isa)
 {
-    if (isa < IBP_ISA_GENERIC || isa > IBP_ISA_AVX512 || !cpu_has(isa))
+    if (isa < 0 || isa >= IBP_ISA_COUNT || !cpu_has(isa))
         return IBP_E_ARG;
     g_isa = isa;
     return IBP_OK;

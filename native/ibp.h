@@ -89,6 +89,8 @@ uint64_t ibp_release_thread_buffers(void);
 #define IBP_ISA_GENERIC 0 /* portable C: extract/deposit by bit loops */
 #define IBP_ISA_V3 1      /* x86-64-v3: BMI2 pext/pdep */
 #define IBP_ISA_AVX512 2  /* AVX-512 (VBMI, VBMI2, VPOPCNTDQ, BITALG): 8, 16, 32 words per step for W = 64, 32, 16 */
+#define IBP_ISA_V3_NO_PDEP 3 /* x86-64-v3 with the portable bit loops for pext/pdep, which AMD Zen 1 and 2 microcode */
+#define IBP_ISA_COUNT 4      /* kernel sets are numbered 0 .. IBP_ISA_COUNT - 1 */
 int ibp_isa(void);
 /* Force a kernel set (tests, benchmarks); IBP_E_ARG if this CPU lacks it. */
 int ibp_set_isa(int isa);

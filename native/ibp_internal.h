@@ -48,6 +48,7 @@ typedef struct ibp_kernels {
 extern const ibp_kernels ibp_kernels_generic;
 extern const ibp_kernels ibp_kernels_v3; /* x86-64-v3: BMI2 pext/pdep, AVX2, FMA, F16C */
 extern const ibp_kernels ibp_kernels_avx512;
+extern const ibp_kernels ibp_kernels_v3_no_pdep; /* the v3 kernels with portable extract/deposit */
 
 int ibp_threads(void);
 /* The row kernels of the instruction set in use (ibp.c). */

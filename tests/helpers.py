@@ -17,14 +17,25 @@ LOOKUP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SECTIONS = ("masks", "bitvals", "block_base", "rel", "payload")
 
 
-def every_isa():
-    """Runs the loop body once per instruction set libibp has for this CPU (0: portable C,
-    up to the one it picked), with that set's kernels; the picked one again afterwards."""
+def kernel_sets() -> list[int]:
+    """The instruction sets (IBP_ISA_*) whose kernels libibp can run on this CPU."""
     from ibp_embed._native import lib
 
     before = lib.ibp_isa()
     try:
-        for isa in range(before + 1):
+        return [isa for isa in range(lib.IBP_ISA_COUNT) if lib.ibp_set_isa(isa) == 0]
+    finally:
+        lib.ibp_set_isa(before)
+
+
+def every_isa():
+    """Runs the loop body once per instruction set whose kernels libibp can run on this
+    CPU, with that set's kernels; the one it picked again afterwards."""
+    from ibp_embed._native import lib
+
+    before = lib.ibp_isa()
+    try:
+        for isa in kernel_sets():
             assert lib.ibp_set_isa(isa) == 0
             yield isa
     finally:

@@ -24,7 +24,8 @@ from ibp_embed.table import CompressedTable
 WORD_BITS = (16, 32, 64)
 
 
-ISAS = {"portable": lib.IBP_ISA_GENERIC, "bmi2": lib.IBP_ISA_V3, "avx512": lib.IBP_ISA_AVX512}
+ISAS = {"portable": lib.IBP_ISA_GENERIC, "bmi2": lib.IBP_ISA_V3, "bmi2-no-pdep": lib.IBP_ISA_V3_NO_PDEP,
+        "avx512": lib.IBP_ISA_AVX512}
 
 
 def _isa_available(isa: int) -> bool:
@@ -54,6 +55,24 @@ def kernel_path(name: str):
 def kernel(request):
     with kernel_path(request.param):
         yield request.param
+
+
+def test_kernel_sets_are_checked_and_the_bmi2_ones_come_in_pairs():
+    """ibp_set_isa takes the sets this CPU runs and refuses numbers outside them; a CPU
+    with BMI2 runs both of its builds (with pdep and with the portable loops, picked on
+    AMD Zen 1 and 2), and the set picked at load time is one of the sets it runs."""
+    before = lib.ibp_isa()
+    try:
+        runs = [isa for isa in range(lib.IBP_ISA_COUNT) if lib.ibp_set_isa(isa) == 0]
+        assert lib.IBP_ISA_GENERIC in runs and before in runs
+        assert (lib.IBP_ISA_V3 in runs) == (lib.IBP_ISA_V3_NO_PDEP in runs)
+        assert lib.IBP_ISA_AVX512 not in runs or lib.IBP_ISA_V3 in runs
+        for bad in (-1, lib.IBP_ISA_COUNT, 255):
+            assert lib.ibp_set_isa(bad) == lib.IBP_E_ARG
+    finally:
+        lib.ibp_set_isa(before)
+    assert lib.ibp_isa() == before
+    assert set(_native.KERNEL_SETS.values()) == set(range(lib.IBP_ISA_COUNT))
 
 
 # ---------------------------------------------------------------- helpers

@@ -30,6 +30,7 @@ from ibp_embed.datasets import zipf_ids  # noqa: E402
 from ibp_embed.optim import SGD, Adagrad, RowWiseAdagrad  # noqa: E402
 from ibp_embed.store import UpdatableTable  # noqa: E402
 from ibp_embed.torchrec import IBPEmbeddingBagCollection  # noqa: E402
+from helpers import every_isa  # noqa: E402
 
 SplitTBE = fbgemm_training.SplitTableBatchedEmbeddingBagsCodegen
 ComputeDevice = fbgemm_training.ComputeDevice
@@ -252,18 +253,12 @@ def test_16_bit_updates_round_to_nearest_on_every_isa(dtype):
     grad[1, :2] = torch.tensor([-1e6, 1e6])                        # overflow fp16 to +-inf
     lr = 0.125
     expected = (w.float().double() - lr * grad.double()).float().to(dtype)  # torch rounds to nearest even
-    isas = [i for i in (_native.lib.IBP_ISA_GENERIC, _native.lib.IBP_ISA_V3, _native.lib.IBP_ISA_AVX512)
-            if _native.lib.ibp_set_isa(i) == _native.lib.IBP_OK]
-    try:
-        for isa in isas:
-            _native.lib.ibp_set_isa(isa)
-            t = UpdatableTable(ibp_embed.compress(w, allow_raw=False), repack_drift=None)
-            ids = np.arange(n, dtype=np.int64)
-            t.apply_gradients(SGD(lr), {}, ids, np.arange(n + 1, dtype=np.int64), n, grad, [0])
-            got = t.decompress()
-            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), isa
-    finally:
-        _native.lib.ibp_set_isa(max(isas))
+    for isa in every_isa():
+        t = UpdatableTable(ibp_embed.compress(w, allow_raw=False), repack_drift=None)
+        ids = np.arange(n, dtype=np.int64)
+        t.apply_gradients(SGD(lr), {}, ids, np.arange(n + 1, dtype=np.int64), n, grad, [0])
+        got = t.decompress()
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), isa
 
 
 def test_weighted_mean_gradient_is_w_over_l():
