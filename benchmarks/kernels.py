@@ -1,0 +1,108 @@
+"""Decode speed of every kernel set libibp can run on this CPU, side by side.
+
+    python -m benchmarks.kernels             # fp32 d128 and fp16 d64, W = 16, 32, 64
+    python -m benchmarks.kernels --rows 20000 --repeats 20
+
+libibp picks one kernel set at load time (`ibp_isa`: AVX-512, x86-64-v3 with pdep,
+x86-64-v3 with bit loops for CPUs that microcode pdep, or portable C); each can be
+forced (`ibp_set_isa`), so one process can time them all on the same tables. Per
+table (torchrec init and trained-like, each dtype and word size), 1,000 rows spread
+over the table are decoded into a buffer that stays in cache, 1 thread; the sets'
+calls alternate in each round, so a change of machine load hits them alike. Their
+outputs must be bit-identical. Results: a markdown table of ns a row (min over the
+rounds, and GB/s of decoded rows) and benchmarks/results/kernels-<UTC time>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ibp_embed import _native, compress, datasets
+
+from . import common
+
+CASES = ((torch.float32, 128), (torch.float16, 64))
+INITS = ("torchrec", "trained")
+WORD_BITS = (16, 32, 64)
+DECODED_ROWS = 1000
+
+
+def runnable_sets() -> dict:
+    """{name: IBP_ISA_*} of the kernel sets this CPU runs, the one libibp picked last."""
+    lib = _native.lib
+    picked = lib.ibp_isa()
+    runs = {name: isa for name, isa in _native.KERNEL_SETS.items() if isa != picked and lib.ibp_set_isa(isa) == 0}
+    lib.ibp_set_isa(picked)
+    runs.update({name: isa for name, isa in _native.KERNEL_SETS.items() if isa == picked})
+    return runs
+
+
+def time_sets(table, sets: dict, repeats: int) -> dict:
+    """{set name: min seconds of one decode call} on `table`, sets alternating per round."""
+    lib, ffi = _native.lib, _native.ffi
+    ids = np.linspace(0, table.shape[0] - 1, DECODED_ROWS).astype(np.int64)
+    outs = {name: np.empty((ids.size, table._row_bytes), np.uint8) for name in sets}
+
+    def call(name, isa):
+        args = (table._c, ffi.cast("const int64_t *", ids.ctypes.data), ids.size,
+                ffi.cast("uint8_t *", outs[name].ctypes.data))
+        return lambda: (lib.ibp_set_isa(isa), _native.check(lib.ibp_decode(*args), "decode"))
+
+    picked = lib.ibp_isa()
+    try:
+        got = common.time_interleaved({name: call(name, isa) for name, isa in sets.items()}, repeats=repeats)
+    finally:
+        lib.ibp_set_isa(picked)
+    first = next(iter(outs.values()))
+    for name, out in outs.items():
+        if not np.array_equal(out, first):
+            raise SystemExit(f"kernels: the {name} kernels decoded other bits than the {next(iter(outs))} ones")
+    return {name: r["min_s"] for name, r in got.items()}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=101_312, help="table rows (default: the quick set's 101k table)")
+    p.add_argument("--repeats", type=int, default=40, help="timed rounds (default 40)")
+    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    args = p.parse_args(argv)
+    for name in ("rows", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    args.rows = max(args.rows, DECODED_ROWS)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    _native.lib.ibp_set_num_threads(1)
+    sets = runnable_sets()
+    rows, runs = [], []
+    for init in INITS:
+        for dtype, dim in CASES:
+            weights = (datasets.make_trained_like_table(args.rows, dim, dtype) if init == "trained" else
+                       datasets.make_table(args.rows, dim, dtype, init=init))
+            for w in WORD_BITS:
+                print(f"[kernels] {init} {dtype} d{dim} W = {w}", file=sys.stderr, flush=True)
+                table = compress(weights, word_bits=w, progress=False)
+                secs = time_sets(table, sets, args.repeats)
+                ns = {name: s / DECODED_ROWS * 1e9 for name, s in secs.items()}
+                runs.append({"init": init, "dtype": str(dtype), "dim": dim, "word_bits": w, "ns_per_row": ns})
+                rows.append([init, f"{str(dtype)[6:]} d{dim}", w] +
+                            [f"{common.fmt(v, 1)} ({common.fmt(table._row_bytes / v, 1)})" for v in ns.values()])
+    picked = next(name for name, isa in sets.items() if isa == _native.lib.ibp_isa())
+    print(f"ns a row (GB/s of decoded rows), {args.rows} rows, {DECODED_ROWS} decoded, min of {args.repeats} "
+          f"rounds, 1 thread; libibp picked {picked}; load average {common.load_average()}\n")
+    print(common.markdown_table(["init", "table", "W", *sets], rows))
+    result = {"machine": common.machine_info(), "config": vars(args) | {"sets": sets}, "runs": runs}
+    path = common.write_json(result, "kernels", results_dir=args.results_dir)
+    print(f"\nresults: {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
