@@ -12,6 +12,8 @@ the installed package compresses, so they must share its ABI (`ibp_abi_version`)
 Measurements, 1 thread, each call of A followed by the same call of B:
 - `decode`: rows 0..m of the table, m rows of output that stay in cache;
 - `decode-cold`: every 5th row of the table, a 64 MiB buffer written before each call;
+- `encode`: rows 0..m of the table encoded again with its codebook (rows that stay in cache;
+  the call includes zeroing the payload, which encode ORs into);
 - `lookup`: one pooled lookup (sum) of a B x P batch of Zipf or uniform ids.
 
 Timing two builds on the same input one after the other favours the second, which finds
@@ -39,7 +41,7 @@ from ibp_embed.dtypes import LOOKUP_DTYPES
 
 from . import common
 
-WHAT = ("decode", "decode-cold", "lookup")
+WHAT = ("decode", "decode-cold", "encode", "lookup")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLUSH_BYTES = 64 << 20
 
@@ -100,6 +102,24 @@ def decode_call(lib, table, ids: np.ndarray, out: np.ndarray):
     return lambda: _native.check(lib.ibp_decode(*args), "decode")
 
 
+def encode_call(lib, table, rows: np.ndarray, out: np.ndarray):
+    """ibp_encode of rows (the table's first rows, decoded) into out, where the table stores them."""
+    ffi, n = _native.ffi, rows.shape[0]
+    starts = np.concatenate([[0], np.cumsum(table.row_lengths()[:n])]).astype(np.uint64)
+    # a row stored raw (cluster id -1) is stored raw under every cluster: cluster 0 will do
+    clusters = None if table.is_raw else np.maximum(table.cluster_ids()[:n], 0).astype(np.uint8)
+    args = (ffi.addressof(table._c, "cb"), ffi.cast("const uint8_t *", rows.ctypes.data), n,
+            ffi.NULL if clusters is None else ffi.cast("const uint8_t *", clusters.ctypes.data),
+            ffi.cast("const uint64_t *", starts.ctypes.data),
+            ffi.cast("uint8_t *", out.ctypes.data))
+
+    def call():
+        out[:] = 0  # encode ORs its fields in: part of the timed call
+        _native.check(lib.ibp_encode(*args), "encode")
+    call.arrays = (starts, clusters)  # what the arguments point into, alive as long as the call
+    return call
+
+
 def lookup_call(lib, table, dtype, ids: np.ndarray, offsets: np.ndarray, out: np.ndarray):
     ffi = _native.ffi
     args = (table._c, LOOKUP_DTYPES[dtype], out.shape[1], ffi.cast("const int64_t *", ids.ctypes.data),
@@ -144,6 +164,13 @@ def measure(what: str, libs: dict, table, args) -> list[dict]:
         offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
         outs = {k: np.empty((args.batch, args.dim), np.float32) for k in libs}
         calls = {k: lookup_call(lib, table, dtype, ids, offsets, outs[k]) for k, lib in libs.items()}
+    elif what == "encode":
+        m = min(args.rows, args.cached_rows)
+        ids = np.arange(m, dtype=np.int64)
+        rows = np.ascontiguousarray(table.decompress()[:m].contiguous().view(torch.uint8).numpy())
+        size = int(table.row_lengths()[:m].sum()) + 64
+        outs = {k: np.empty(size, np.uint8) for k in libs}
+        calls = {k: encode_call(lib, table, rows, outs[k]) for k, lib in libs.items()}
     else:
         ids = (np.arange(min(args.rows, args.cached_rows)) if what == "decode" else
                np.arange(0, args.rows, 5)).astype(np.int64)
