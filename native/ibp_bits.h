@@ -5,8 +5,9 @@
  * and bitval v, a word w "participates" when (w & m) == v; it is then stored as
  * its W - popcount(m) variable bits, compacted in order (a pext by ~m). Decoding
  * deposits them back (a pdep by ~m) and ORs in v. The portable extract/deposit
- * below loop over whichever set is smaller, invariant or variable bits, so the
- * common case of a few invariant bits costs a few iterations.
+ * below loop over the runs of invariant bits, or over the variable bits where
+ * those are fewer, so the common case of a few invariant bits costs a few
+ * iterations.
  */
 #ifndef IBP_BITS_H
 #define IBP_BITS_H
@@ -71,12 +72,15 @@ IBP_HD uint64_t ibp_extract(uint64_t w, uint64_t mask, uint32_t word_bits)
     uint64_t keep = ~mask & ibp_low_bits(word_bits);
     w &= keep;
     if (ibp_popcount64(mask & ibp_low_bits(word_bits)) <= ibp_popcount64(keep)) {
-        /* Few invariant bits: close each gap, highest first so lower positions stay put. */
+        /* Few invariant bits: close the gap of each run of them, highest first so lower
+         * positions stay put (a float's invariant bits come in a run or two). */
         uint64_t m = mask & ibp_low_bits(word_bits);
         while (m) {
-            int p = ibp_highest_bit(m);
-            m &= ~((uint64_t)1 << p);
-            w = (w & ibp_low_bits((uint32_t)p)) | ((w >> p >> 1) << p);
+            const int top = ibp_highest_bit(m);
+            const uint64_t below = ~m & ibp_low_bits((uint32_t)top); /* its lowest bit is above their top */
+            const int start = below ? ibp_highest_bit(below) + 1 : 0;
+            m &= ibp_low_bits((uint32_t)start);
+            w = (w & ibp_low_bits((uint32_t)start)) | ((w >> top >> 1) << start);
         }
         return w;
     }
@@ -98,13 +102,15 @@ IBP_HD uint64_t ibp_deposit(uint64_t x, uint64_t mask, uint32_t word_bits)
     uint64_t keep = ~mask & ibp_low_bits(word_bits);
     uint64_t m = mask & ibp_low_bits(word_bits);
     if (ibp_popcount64(m) <= ibp_popcount64(keep)) {
-        /* Few invariant bits: open a zero gap at each, lowest first. */
+        /* Few invariant bits: open a zero gap for each run of them, lowest first. */
         x &= ibp_low_bits((uint32_t)ibp_popcount64(keep));
         while (m) {
-            int p = ibp_lowest_bit(m);
-            m &= m - 1;
-            uint64_t low = ibp_low_bits((uint32_t)p);
-            x = (x & low) | ((x & ~low) << 1);
+            const int p = ibp_lowest_bit(m);
+            const uint64_t above = ~(m >> p); /* 0: the run is all 64 bits */
+            const int len = above ? ibp_lowest_bit(above) : 64;
+            const uint64_t low = ibp_low_bits((uint32_t)p);
+            m &= m + ((uint64_t)1 << p); /* the run cleared */
+            x = (x & low) | (((x & ~low) << 1) << (len - 1));
         }
         return x;
     }
