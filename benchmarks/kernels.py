@@ -31,16 +31,6 @@ WORD_BITS = (16, 32, 64)
 DECODED_ROWS = 1000
 
 
-def runnable_sets() -> dict:
-    """{name: IBP_ISA_*} of the kernel sets this CPU runs, the one libibp picked last."""
-    lib = _native.lib
-    picked = lib.ibp_isa()
-    runs = {name: isa for name, isa in _native.KERNEL_SETS.items() if isa != picked and lib.ibp_set_isa(isa) == 0}
-    lib.ibp_set_isa(picked)
-    runs.update({name: isa for name, isa in _native.KERNEL_SETS.items() if isa == picked})
-    return runs
-
-
 def time_sets(table, sets: dict, repeats: int) -> dict:
     """{set name: min seconds of one decode call} on `table`, sets alternating per round."""
     lib, ffi = _native.lib, _native.ffi
@@ -80,7 +70,7 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     _native.lib.ibp_set_num_threads(1)
-    sets = runnable_sets()
+    sets = _native.runnable_kernel_sets()
     rows, runs = [], []
     for init in INITS:
         for dtype, dim in CASES:

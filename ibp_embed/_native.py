@@ -77,6 +77,15 @@ KERNEL_SETS = {"generic": lib.IBP_ISA_GENERIC, "v3": lib.IBP_ISA_V3, "v3-no-pdep
                "avx512": lib.IBP_ISA_AVX512}
 
 
+def runnable_kernel_sets() -> dict:
+    """{name: IBP_ISA_*} of the KERNEL_SETS this CPU runs (lib.ibp_set_isa takes them)."""
+    before = lib.ibp_isa()
+    try:
+        return {name: isa for name, isa in KERNEL_SETS.items() if lib.ibp_set_isa(isa) == lib.IBP_OK}
+    finally:
+        lib.ibp_set_isa(before)
+
+
 def check(rc: int, what: str) -> None:
     """Turn a libibp return code into the matching Python exception."""
     if rc == lib.IBP_OK:

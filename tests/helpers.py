@@ -19,13 +19,9 @@ SECTIONS = ("masks", "bitvals", "block_base", "rel", "payload")
 
 def kernel_sets() -> list[int]:
     """The instruction sets (IBP_ISA_*) whose kernels libibp can run on this CPU."""
-    from ibp_embed._native import lib
+    from ibp_embed._native import runnable_kernel_sets
 
-    before = lib.ibp_isa()
-    try:
-        return [isa for isa in range(lib.IBP_ISA_COUNT) if lib.ibp_set_isa(isa) == 0]
-    finally:
-        lib.ibp_set_isa(before)
+    return list(runnable_kernel_sets().values())
 
 
 def every_isa():

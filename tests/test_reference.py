@@ -24,18 +24,8 @@ from ibp_embed.table import CompressedTable
 WORD_BITS = (16, 32, 64)
 
 
-ISAS = {"portable": lib.IBP_ISA_GENERIC, "bmi2": lib.IBP_ISA_V3, "bmi2-no-pdep": lib.IBP_ISA_V3_NO_PDEP,
-        "avx512": lib.IBP_ISA_AVX512}
-
-
-def _isa_available(isa: int) -> bool:
-    before = lib.ibp_isa()
-    ok = lib.ibp_set_isa(isa) == 0
-    lib.ibp_set_isa(before)
-    return ok
-
-
-PATHS = tuple(name for name, isa in ISAS.items() if _isa_available(isa))
+ISAS = _native.KERNEL_SETS
+PATHS = tuple(_native.runnable_kernel_sets())  # the kernel sets this CPU runs
 
 
 @contextlib.contextmanager
