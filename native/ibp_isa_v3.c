@@ -5,9 +5,9 @@
  * Built a second time with IBP_V3_NO_PDEP for AMD Zen 1 and 2 (family 17h), whose
  * pext and pdep are microcoded: a loop over the mask's bits taking up to hundreds of
  * cycles, once or twice per decoded word. That build keeps everything else of
- * x86-64-v3 (AVX2 pooling, F16C conversions, bzhi) and extracts and deposits with
- * the portable loops of ibp_bits.h, whose cost grows with the smaller of a word's
- * invariant and variable bits. */
+ * x86-64-v3 (AVX2 pooling, F16C conversions, bzhi); it extracts with the portable
+ * loops of ibp_bits.h (a step per run of invariant bits) and deposits with the
+ * planned runs of ibp_group_decode.inc. */
 #include <immintrin.h>
 #ifdef IBP_V3_NO_PDEP
 #define IBP_ISA v3_no_pdep
