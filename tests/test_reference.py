@@ -96,6 +96,23 @@ def random_codebook(rng: random.Random, k: int, r: int, w: int):
     return masks, bitvals
 
 
+def runs_codebook(rng: random.Random, k: int, r: int, w: int, max_runs: int = 2):
+    """K clusters whose every mask is up to max_runs runs of invariant bits, as a
+    float's exponent bits are: the planned deposits (by runs or segments) take them,
+    where random masks fall back to the general one."""
+    m = ref.n_words(r, w)
+    masks = np.zeros((k, m), np.uint64)
+    bitvals = np.zeros((k, m), np.uint64)
+    for c in range(k):
+        for j in range(m):
+            mask = 0
+            for _ in range(rng.randint(0, max_runs)):
+                lo = rng.randrange(w)
+                mask |= low(rng.randint(1, w - lo)) << lo
+            masks[c, j], bitvals[c, j] = mask, rng.getrandbits(w) & mask
+    return masks, bitvals
+
+
 def rows_for(rng: random.Random, n: int, r: int, w: int, masks, bitvals, p_word=0.85, p_random=0.15):
     """Rows drawn near the clusters: each word takes its cluster's invariant bits with
     probability p_word; a fraction p_random of the rows is pure noise; some repeat."""
@@ -350,6 +367,30 @@ def test_property_long_rows(n, r, w, k, seed, p_word):
     masks, bitvals = random_codebook(rng, k, r, w)
     rows = rows_for(rng, n, r, w, masks, bitvals, p_word=p_word, p_random=0.1)
     check_against_reference(rows, w, masks, bitvals)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 12), r=st.integers(32, 300), w=st.sampled_from(WORD_BITS), k=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1), p_word=st.floats(0.5, 1.0))
+def test_property_few_runs(n, r, w, k, seed, p_word):
+    """Masks of a run or two a word (floats), rows with most words participating: the
+    planned deposits and the steps of four units (the AVX2 kernels without pdep),
+    with every mix of participating words, full rows among them (p_word = 1)."""
+    rng = random.Random(seed)
+    masks, bitvals = runs_codebook(rng, k, r, w)
+    rows = rows_for(rng, n, r, w, masks, bitvals, p_word=p_word, p_random=0.05)
+    check_against_reference(rows, w, masks, bitvals)
+
+
+@pytest.mark.parametrize("w", WORD_BITS)
+def test_more_clusters_than_a_plan_holds(w):
+    """20 clusters: past the AVX-512 plan's and the AVX2 steps' 16, rows decode
+    without them."""
+    rng = random.Random(w)
+    masks, bitvals = runs_codebook(rng, 20, 96, w)
+    rows = rows_for(rng, 60, 96, w, masks, bitvals, p_word=0.95, p_random=0.0)
+    want = check_against_reference(rows, w, masks, bitvals)
+    assert np.unique(want["clusters"][want["clusters"] >= 0]).size > 16
 
 
 # ---------------------------------------------------------------- validity
