@@ -22,13 +22,22 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 # ---------------------------------------------------------------- machine
 def cpu_model() -> str:
+    """The CPU's model name, with its family and model numbers where /proc/cpuinfo has
+    them: a virtual machine may name every AMD server CPU "AMD EPYC", and which one
+    it is (Zen 2: family 23, Zen 5: family 26) decides which kernels libibp runs."""
+    fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, sep, value = line.partition(":")
+            if not sep:
+                break  # the first CPU's block ends
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def _git(*args: str) -> str | None:
