@@ -383,6 +383,16 @@ def test_property_few_runs(n, r, w, k, seed, p_word):
 
 
 @pytest.mark.parametrize("w", WORD_BITS)
+def test_rows_of_more_than_64_steps_of_header(w):
+    """Rows of 1,100 bytes (138 to 550 words): the step decoders read the header 64
+    bits at a time, so a row past 64 words (W = 64) takes a second read."""
+    rng = random.Random(100 + w)
+    masks, bitvals = runs_codebook(rng, 2, 1100, w)
+    rows = rows_for(rng, 10, 1100, w, masks, bitvals, p_word=0.97, p_random=0.0)
+    check_against_reference(rows, w, masks, bitvals)
+
+
+@pytest.mark.parametrize("w", WORD_BITS)
 def test_more_clusters_than_a_plan_holds(w):
     """20 clusters: past the AVX-512 plan's and the AVX2 steps' 16, rows decode
     without them."""
