@@ -383,6 +383,28 @@ def test_property_few_runs(n, r, w, k, seed, p_word):
 
 
 @pytest.mark.parametrize("w", WORD_BITS)
+def test_packed_steps(w):
+    """Words with a run of invariant bits, enough that every 64-bit unit keeps 7 (as
+    floats' exponents do), and rows with most words participating: the AVX2 steps
+    load such a step's fields with one shuffle (its packed load) in full rows, and
+    at W = 64 in others too, at every bit a step can start at; a word in ten without
+    invariant bits leaves its step to the general loads."""
+    rng = random.Random(7 * w)
+    m = ref.n_words(384, w)
+    masks, bitvals = np.zeros((2, m), np.uint64), np.zeros((2, m), np.uint64)
+    least = -(-7 // (64 // w))  # per word, so that a unit has 7
+    for c in range(2):
+        for j in range(m):
+            if rng.random() < 0.1:
+                continue
+            n = rng.randint(least, 2 * least)
+            mask = low(n) << rng.randrange(w - n + 1)
+            masks[c, j], bitvals[c, j] = mask, rng.getrandbits(w) & mask
+    rows = rows_for(rng, 200, 384, w, masks, bitvals, p_word=0.99, p_random=0.0)
+    check_against_reference(rows, w, masks, bitvals)
+
+
+@pytest.mark.parametrize("w", WORD_BITS)
 def test_rows_of_more_than_64_steps_of_header(w):
     """Rows of 1,100 bytes (138 to 550 words): the step decoders read the header 64
     bits at a time, so a row past 64 words (W = 64) takes a second read."""
