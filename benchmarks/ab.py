@@ -21,6 +21,12 @@ what the first left in cache (15-20% on fp16 tables that nearly fit the cache), 
 measurement is run twice, A first and then B first, and both ratios are printed. Their
 outputs must be bit-identical. Results: a markdown table (min and median ms, B / A) and
 benchmarks/results/ab-<UTC time>.json.
+
+Not for changes to what a build keeps between calls (buffers retained or freed): the two
+libraries share the process's memory and caches, so a build that frees a large buffer
+gets fresh pages that the kernel zeroes into cache just before it writes them, while one
+that keeps it finds it evicted by the other build. Keeping the lookup scratch timed
+1.05-1.08x here and 0.82x in a process of its own; time such changes with one library.
 """
 from __future__ import annotations
 
