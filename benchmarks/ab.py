@@ -22,16 +22,22 @@ measurement is run twice, A first and then B first, and both ratios are printed.
 outputs must be bit-identical. Results: a markdown table (min and median ms, B / A) and
 benchmarks/results/ab-<UTC time>.json.
 
-Not for changes to what a build keeps between calls (buffers retained or freed): the two
-libraries share the process's memory and caches, so a build that frees a large buffer
-gets fresh pages that the kernel zeroes into cache just before it writes them, while one
-that keeps it finds it evicted by the other build. Keeping the lookup scratch timed
-1.05-1.08x here and 0.82x in a process of its own; time such changes with one library.
+`--isolated` times each build in a process of its own instead (the processes alternate,
+in both orders; each makes the same table and ids and reports a digest of its output),
+for changes whose effect one library could hide from the other: in one process the two
+share memory and caches. Both modes serve large allocations from a heap kept mapped
+(common.steady_allocations, as benchmarks.lookup does), so neither sees what a process
+with glibc's defaults pays for a large buffer freed and allocated again (fresh pages,
+zeroed by the kernel): time such changes in a plain process. Keeping the lookup scratch
+between calls (f7a6470) timed 1.05-1.08x in one process, 1.01-1.03x with --isolated,
+and 0.82x in a plain process.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -136,7 +142,7 @@ def lookup_call(lib, table, dtype, ids: np.ndarray, offsets: np.ndarray, out: np
 
 def time_pair(calls: dict, outs: dict, repeats: int, flush: np.ndarray | None) -> dict:
     """Time the builds' calls alternately, in the order of `calls`, after a warm-up round;
-    their outputs must be equal."""
+    their outputs must be equal (with one build: nothing to compare)."""
     times = {name: [] for name in calls}
     for rep in range(repeats + 1):  # the first round warms up
         for name, call in calls.items():
@@ -146,10 +152,13 @@ def time_pair(calls: dict, outs: dict, repeats: int, flush: np.ndarray | None) -
             call()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    a, b = outs.values()
-    if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+    if len(outs) == 2 and len({digest(out) for out in outs.values()}) > 1:
         raise SystemExit("ab: the two builds' outputs differ")
     return {name: {"min_s": min(t), "median_s": float(np.median(t))} for name, t in times.items()}
+
+
+def digest(out: np.ndarray) -> str:
+    return hashlib.sha256(out.view(np.uint8).tobytes()).hexdigest()
 
 
 def make_table(args):
@@ -159,8 +168,9 @@ def make_table(args):
     return compress(weights, word_bits=args.word_bits, progress=False)
 
 
-def measure(what: str, libs: dict, table, args) -> list[dict]:
-    """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ...}, ...]."""
+def measure(what: str, libs: dict, table, args, orders=(("A", "B"), ("B", "A"))) -> list[dict]:
+    """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ..., 'digest': ...}, ...]
+    (the digest of the outputs, equal for both builds)."""
     dtype = DTYPES[args.dtype]
     flush = None
     if what == "lookup":
@@ -184,10 +194,46 @@ def measure(what: str, libs: dict, table, args) -> list[dict]:
         calls = {k: decode_call(lib, table, ids, outs[k]) for k, lib in libs.items()}
         flush = np.zeros(FLUSH_BYTES, np.uint8) if what == "decode-cold" else None
     results = []
-    for order in (("A", "B"), ("B", "A")):
+    for order in orders:
         got = time_pair({k: calls[k] for k in order}, outs, args.repeats, flush)
-        results.append({"order": ", ".join(order), **got, "units": ids.size})
+        results.append({"order": ", ".join(order), **got, "units": ids.size, "digest": digest(outs[order[0]])})
     return results
+
+
+def measure_isolated(what: str, paths: dict, args) -> list[dict]:
+    """measure()'s result with each build timed in a process of its own (see the module
+    doc): the processes alternate, A then B and B then A."""
+    opts = ["--what", what, "--dtype", args.dtype, "--dim", str(args.dim), "--init", args.init,
+            "--rows", str(args.rows), "--cached-rows", str(args.cached_rows), "--batch", str(args.batch),
+            "--pooling", str(args.pooling), "--dist", args.dist, "--alpha", repr(args.alpha),
+            "--repeats", str(args.repeats)]
+    opts += ["--word-bits", str(args.word_bits)] if args.word_bits else []
+    opts += ["--isa", args.isa] if args.isa else []
+    results = []
+    for order in (("A", "B"), ("B", "A")):
+        got = {}
+        for name in order:
+            run = subprocess.run([sys.executable, "-m", "benchmarks.ab", str(paths[name]), "--worker", *opts],
+                                 cwd=common.ROOT, capture_output=True, text=True)
+            if run.returncode:
+                raise SystemExit(f"ab: the {name} process failed:\n{run.stdout}{run.stderr}")
+            got[name] = json.loads(run.stdout.strip().splitlines()[-1])
+        if got["A"]["digest"] != got["B"]["digest"]:
+            raise SystemExit("ab: the two builds' outputs differ")
+        results.append({"order": ", ".join(order), "A": got["A"]["X"], "B": got["B"]["X"],
+                        "units": got["A"]["units"], "digest": got["A"]["digest"]})
+    return results
+
+
+def worker(args) -> None:
+    """--worker: time build args.a alone on args.what and print measure()'s result (JSON)."""
+    torch.set_num_threads(1)
+    common.steady_allocations()
+    lib = load(build(args.a, Path("unused")))
+    table = make_table(args)
+    with kernels({"X": lib}, args.isa):
+        (result,) = measure(args.what[0], {"X": lib}, table, args, orders=(("X",),))
+    print(json.dumps(result))
 
 
 # ================================================================ main
@@ -209,6 +255,9 @@ def parse(argv=None):
     p.add_argument("--isa", choices=tuple(_native.KERNEL_SETS),
                    help="the kernels both builds run (default: the best this CPU has)")
     p.add_argument("--repeats", type=int, default=50, help="timed rounds per order (default 50)")
+    p.add_argument("--isolated", action="store_true",
+                   help="time each build in a process of its own (for changes to what libibp keeps between calls)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one --isolated process
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
     args.what = [w.strip() for w in args.what.split(",") if w.strip()]
@@ -221,8 +270,10 @@ def parse(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | None:
     args = parse(argv)
+    if args.worker:
+        return worker(args)
     torch.set_num_threads(1)
     common.steady_allocations()
     with tempfile.TemporaryDirectory(prefix="ibp-ab-") as tmp:
@@ -231,13 +282,18 @@ def main(argv=None) -> dict:
             print(f"[ab] {name} = {spec}: building" if not spec.endswith(".so") else f"[ab] {name} = {spec}",
                   file=sys.stderr, flush=True)
             paths[name] = build(spec, Path(tmp) / name)
-        libs = {name: load(path) for name, path in paths.items()}
-        table = make_table(args)
         runs = {}
-        with kernels(libs, args.isa):
+        if args.isolated:
             for what in args.what:
-                print(f"[ab] {what}", file=sys.stderr, flush=True)
-                runs[what] = measure(what, libs, table, args)
+                print(f"[ab] {what}, a process per build", file=sys.stderr, flush=True)
+                runs[what] = measure_isolated(what, paths, args)
+        else:
+            libs = {name: load(path) for name, path in paths.items()}
+            table = make_table(args)
+            with kernels(libs, args.isa):
+                for what in args.what:
+                    print(f"[ab] {what}", file=sys.stderr, flush=True)
+                    runs[what] = measure(what, libs, table, args)
     rows = []
     for what, orders in runs.items():
         for r in orders:
@@ -247,7 +303,8 @@ def main(argv=None) -> dict:
                          common.fmt(b["median_s"] * 1e3, 3), common.fmt(b["median_s"] / a["median_s"], 3)])
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     print(f"A = {args.a}, B = {args.b}; {args.dtype} d{args.dim} {args.init}, {args.rows} rows, "
-          f"W {args.word_bits or 'auto'}; {args.isa or 'best'} kernels; 1 thread; load average {common.load_average()}\n")
+          f"W {args.word_bits or 'auto'}; {args.isa or 'best'} kernels; 1 thread"
+          f"{'; a process per build' if args.isolated else ''}; load average {common.load_average()}\n")
     print(common.markdown_table(["measure", "order", "A min ms", "B min ms", "B / A", "A median ms",
                                  "B median ms", "B / A (median)"], rows))
     result = {"machine": common.machine_info(), "config": config, "runs": runs}

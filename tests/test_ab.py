@@ -31,6 +31,19 @@ def test_two_built_libraries_in_both_orders(tmp_path):
     assert saved["config"]["dtype"] == "float16" and saved["config"]["word_bits"] == 16
 
 
+def test_isolated_builds_run_in_processes_of_their_own(tmp_path):
+    """--isolated: each build timed in its own process, both orders, the same output."""
+    lib = package_library()
+    got = ab.main([lib, lib, *TINY, "--what", "decode,lookup", "--isolated", "--results-dir", str(tmp_path)])
+    assert got["config"]["isolated"]
+    for what in ("decode", "lookup"):
+        orders = got["runs"][what]
+        assert [r["order"] for r in orders] == ["A, B", "B, A"]
+        assert orders[0]["digest"] == orders[1]["digest"]  # the same table and ids in every process
+        for r in orders:
+            assert r["A"]["min_s"] > 0 and r["B"]["min_s"] > 0 and r["units"] > 0
+
+
 def test_kernel_set_is_chosen_then_given_back(tmp_path):
     lib = package_library()
     before = _native.lib.ibp_isa()
