@@ -152,8 +152,10 @@ def time_pair(calls: dict, outs: dict, repeats: int, flush: np.ndarray | None) -
             call()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    if len(outs) == 2 and len({digest(out) for out in outs.values()}) > 1:
-        raise SystemExit("ab: the two builds' outputs differ")
+    if len(outs) == 2:
+        a, b = outs.values()
+        if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+            raise SystemExit("ab: the two builds' outputs differ")
     return {name: {"min_s": min(t), "median_s": float(np.median(t))} for name, t in times.items()}
 
 
@@ -203,17 +205,12 @@ def measure(what: str, libs: dict, table, args, orders=(("A", "B"), ("B", "A")))
 def measure_isolated(what: str, paths: dict, args) -> list[dict]:
     """measure()'s result with each build timed in a process of its own (see the module
     doc): the processes alternate, A then B and B then A."""
-    opts = ["--what", what, "--dtype", args.dtype, "--dim", str(args.dim), "--init", args.init,
-            "--rows", str(args.rows), "--cached-rows", str(args.cached_rows), "--batch", str(args.batch),
-            "--pooling", str(args.pooling), "--dist", args.dist, "--alpha", repr(args.alpha),
-            "--repeats", str(args.repeats)]
-    opts += ["--word-bits", str(args.word_bits)] if args.word_bits else []
-    opts += ["--isa", args.isa] if args.isa else []
     results = []
     for order in (("A", "B"), ("B", "A")):
         got = {}
-        for name in order:
-            run = subprocess.run([sys.executable, "-m", "benchmarks.ab", str(paths[name]), "--worker", *opts],
+        for name in order:  # the worker gets these very options, as JSON
+            config = {**vars(args), "a": str(paths[name]), "what": [what], "results_dir": None}
+            run = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--worker", json.dumps(config)],
                                  cwd=common.ROOT, capture_output=True, text=True)
             if run.returncode:
                 raise SystemExit(f"ab: the {name} process failed:\n{run.stdout}{run.stderr}")
@@ -226,7 +223,8 @@ def measure_isolated(what: str, paths: dict, args) -> list[dict]:
 
 
 def worker(args) -> None:
-    """--worker: time build args.a alone on args.what and print measure()'s result (JSON)."""
+    """`--worker CONFIG` (measure_isolated's options as JSON): time build args.a alone on
+    args.what and print measure()'s result (JSON)."""
     torch.set_num_threads(1)
     common.steady_allocations()
     lib = load(build(args.a, Path("unused")))
@@ -257,7 +255,6 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=50, help="timed rounds per order (default 50)")
     p.add_argument("--isolated", action="store_true",
                    help="time each build in a process of its own (for changes to what libibp keeps between calls)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one --isolated process
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
     args.what = [w.strip() for w in args.what.split(",") if w.strip()]
@@ -271,9 +268,10 @@ def parse(argv=None):
 
 
 def main(argv=None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # one process of --isolated
+        return worker(argparse.Namespace(**json.loads(argv[1])))
     args = parse(argv)
-    if args.worker:
-        return worker(args)
     torch.set_num_threads(1)
     common.steady_allocations()
     with tempfile.TemporaryDirectory(prefix="ibp-ab-") as tmp:
