@@ -245,8 +245,10 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
         if (lay && lay->extra) { /* as in decode_words64_avx512 */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
             const __m512i below = _mm512_and_si512(_mm512_set1_epi32((int)late), lanes_below);
-            excl = _mm512_add_epi32(ps->excl, _mm512_mullo_epi32(_mm512_popcnt_epi32(below),
-                                                                           _mm512_set1_epi32(lay->extra)));
+            /* a 16-bit multiply (the products, at most 15 * 32, fit): VPMULLD is 2 uops and 10
+             * cycles on Intel cores; fp32 d128 W = 32 rows 0.87-0.99x the time on a Xeon */
+            excl = _mm512_add_epi32(ps->excl, _mm512_mullo_epi16(_mm512_popcnt_epi32(below),
+                                                                 _mm512_set1_epi32(lay->extra)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
             __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(vbits + j)));
@@ -332,6 +334,9 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
                                                0, 31, 0, 23, 0, 15, 0, 7);
     const __m512i group_below = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
                                                  0, 0, 0, 0, 0, 0, 0, 0); /* lanes 0-7: none (masked) */
+    const __m512i lanes_below = _mm512_set_epi16(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f, 0x3f,
+                                                 0x1f, 0xf, 0x7, 0x3, 0x1, 0, 0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff,
+                                                 0x1ff, 0xff, 0x7f, 0x3f, 0x1f, 0xf, 0x7, 0x3, 0x1, 0); /* per half */
     const __m512i zero = _mm512_setzero_si512();
     const plan_step *ps = planned ? plan->steps : NULL; /* step j / 32's */
     uint64_t pos = *pos_io;
@@ -348,21 +353,37 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
             pos += lay->total;
             continue;
         }
-        if (lay) {
+        if (lay && lay->extra) { /* one extra: as in decode_words64_avx512, the popcount per half */
+            const uint32_t late = ~part & lay->extra_lanes;
+            const __m512i halves = _mm512_inserti64x4(_mm512_set1_epi16((short)late),
+                                                      _mm256_set1_epi16((short)(late >> 16)), 1);
+            __m512i below = _mm512_popcnt_epi16(_mm512_and_si512(halves, lanes_below));
+            below = _mm512_mask_add_epi16(below, 0xffff0000u, below,
+                                          _mm512_set1_epi16((short)__builtin_popcount(late & 0xffff)));
+            excl = _mm512_add_epi16(ps->excl, _mm512_mullo_epi16(below, _mm512_set1_epi16(lay->extra)));
+            step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
+        } else if (lay) {
             /* The planned layout, corrected by a prefix sum of the non-participating lanes'
-             * extras, x (bytes): a 64-bit multiply by 0x0101...01 sums each 8-lane group's
-             * bytes up to each byte (a group's sum, at most 8 * 16, fits), and a second one,
-             * of the four group sums in 16-bit fields, sums the groups. A float's halves
-             * differ in extra (up to three extras in a step of fp32 rows), where the
-             * popcount of W = 32 and 64 takes one: against it (and the prefix sum below
-             * where the extras differ), fp32 d128 rows decoded in 0.78-0.79x the time
-             * (torchrec init and trained-like, in cache, 1 thread, both orders). The step's
-             * bits come from the same sums: from scalar popcounts, one per bit of the
-             * extras, they took 1.12-1.16x the time. */
+             * extras, x (bytes), where the extras differ (a float32's halves: up to three
+             * extras in a step): shifted adds within 64-bit lanes sum each 8-lane group's
+             * bytes up to each byte (a group's sum, at most 8 * 16, fits), and two more, of
+             * the four group sums in 16-bit fields, sum the groups. The step's bits come
+             * from the same sums (from scalar popcounts, one per bit of the extras, they
+             * took 1.12-1.16x the time on Zen 5). The sums were two 64-bit multiplies by
+             * 0x0101...01 and 0x0001...0001: as fast on Zen 5, but VPMULLQ is 3 uops and
+             * 15 cycles on Intel cores, and on a Xeon (Sapphire Rapids class) fp32 d128
+             * torchrec-init rows decoded in 0.55-0.56x the time with the shifts (in cache,
+             * 1 thread, benchmarks.ab, both orders). Steps whose lanes share one extra
+             * take the popcount above, as at W = 32: against this path, on that Xeon,
+             * torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x, trained-like fp32
+             * 1.01-1.03x (its steps rarely qualify; the test costs). */
             const __m256i x = _mm256_maskz_mov_epi8(~part, _mm256_loadu_si256((const void *)lay->lane_extra));
-            const __m256i incl = _mm256_mullo_epi64(x, _mm256_set1_epi64x(0x0101010101010101LL));
-            const __m256i sums = _mm256_mullo_epi64(_mm256_maskz_permutexvar_epi8(0x55, group_last, incl),
-                                                    _mm256_set1_epi64x(0x0001000100010001LL));
+            __m256i incl = _mm256_add_epi64(x, _mm256_slli_epi64(x, 8));
+            incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 16));
+            incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 32));
+            __m256i sums = _mm256_maskz_permutexvar_epi8(0x55, group_last, incl);
+            sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 16));
+            sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 32));
             step_bits = lay->total + ((uint64_t)_mm256_cvtsi256_si32(_mm256_srli_epi64(sums, 48)) & 0xffff);
             excl = _mm512_add_epi16(_mm512_add_epi16(ps->excl, _mm512_cvtepu8_epi16(_mm256_sub_epi8(incl, x))),
                                     _mm512_maskz_permutexvar_epi16(0xffffff00u, group_below, _mm512_castsi256_si512(sums)));
