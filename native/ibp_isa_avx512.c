@@ -141,8 +141,8 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
         if (lay && lay->extra) { /* the planned layout, corrected for non-participating lanes */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
             const __m512i below = _mm512_and_si512(_mm512_set1_epi64(late), lanes_below);
-            excl = _mm512_add_epi64(ps->excl, _mm512_mullo_epi64(_mm512_popcnt_epi64(below),
-                                                                          _mm512_set1_epi64(lay->extra)));
+            excl = _mm512_add_epi64(ps->excl, _mm512_mullo_epi16(_mm512_popcnt_epi64(below), /* as at W = 32 */
+                                                                 _mm512_set1_epi64(lay->extra)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
             __m512i vb = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)(vbits + j)));
