@@ -2,6 +2,7 @@
  * building, table validation, checksums and the run-time choice of row kernels. */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <omp.h>
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -28,6 +29,21 @@ const char *ibp_error_string(int code)
     default: return "unknown error";
     }
 }
+
+static uint64_t g_l2_bytes = (uint64_t)1 << 20;
+
+/* Read when the library loads: a lazy read would race with concurrent callers. The
+ * clamp guards against nonsense from virtual machines. */
+__attribute__((constructor)) static void l2_init(void)
+{
+#ifdef _SC_LEVEL2_CACHE_SIZE /* glibc */
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (l2 >= (256L << 10) && l2 <= (64L << 20))
+        g_l2_bytes = (uint64_t)l2;
+#endif
+}
+
+uint64_t ibp_l2_bytes(void) { return g_l2_bytes; }
 
 void ibp_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
 int ibp_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }

@@ -51,6 +51,9 @@ extern const ibp_kernels ibp_kernels_avx512;
 extern const ibp_kernels ibp_kernels_v3_no_pdep; /* the v3 kernels with portable extract/deposit */
 
 int ibp_threads(void);
+/* Bytes of one core's L2 cache (sysconf; 1 MB where the system does not say): up to
+ * that size float32 rows are pooled without prefetching (ibp_pool.inc). */
+uint64_t ibp_l2_bytes(void);
 /* The row kernels of the instruction set in use (ibp.c). */
 const ibp_kernels *ibp_active_kernels(void);
 
