@@ -45,12 +45,10 @@ static inline __attribute__((always_inline)) __m512i direct_step(const plan_step
     const uint64_t from = pos - (s->layout.fixed & 7); /* the planned window's first bit (pos >= fixed) */
     const uint8_t *q = bs + (from >> 3);
     __m512i win = _mm512_loadu_si512((const void *)q);
-    if (from & 7) { /* not when pos == fixed: always shifting cost float16 d64 rows 5-9% */
-        const __m512i s = _mm512_set1_epi64((long long)(from & 7));
-        win = _mm512_or_si512(_mm512_srlv_epi64(win, s),
-                              _mm512_sllv_epi64(_mm512_loadu_si512((const void *)(q + 8)),
-                                                _mm512_sub_epi64(_mm512_set1_epi64(64), s)));
-    }
+    if (from & 7) /* not when pos == fixed: always shifting cost float16 d64 rows 5-9%; one
+                   * VPSHRDVQ, not two shifts and an OR: 0.94-1.02x the time (W = 64 fp32 d128) */
+        win = _mm512_shrdv_epi64(win, _mm512_loadu_si512((const void *)(q + 8)),
+                                 _mm512_set1_epi64((long long)(from & 7)));
     const __m512i field = _mm512_permutexvar_epi8(s->direct_idx, win);
     return plan_deposit(s->direct_ctrl, s->sel, s->bitval, s->layout.shifts, field);
 }
