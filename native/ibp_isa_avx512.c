@@ -244,7 +244,8 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
             const __m512i below = _mm512_and_si512(_mm512_set1_epi32((int)late), lanes_below);
             /* a 16-bit multiply (the products, at most 15 * 32, fit): VPMULLD is 2 uops and 10
-             * cycles on Intel cores; fp32 d128 W = 32 rows 0.87-0.99x the time on a Xeon */
+             * cycles on Intel cores (instruction tables); fp32 d128 W = 32 rows 0.87-0.99x the
+             * time on a Xeon (medians 0.95-1.02x) */
             excl = _mm512_add_epi32(ps->excl, _mm512_mullo_epi16(_mm512_popcnt_epi32(below),
                                                                  _mm512_set1_epi32(lay->extra)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
@@ -368,13 +369,14 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
              * the four group sums in 16-bit fields, sum the groups. The step's bits come
              * from the same sums (from scalar popcounts, one per bit of the extras, they
              * took 1.12-1.16x the time on Zen 5). The sums were two 64-bit multiplies by
-             * 0x0101...01 and 0x0001...0001: as fast on Zen 5, but VPMULLQ is 3 uops and
-             * 15 cycles on Intel cores, and on a Xeon (Sapphire Rapids class) fp32 d128
-             * torchrec-init rows decoded in 0.55-0.56x the time with the shifts (in cache,
-             * 1 thread, benchmarks.ab, both orders). Steps whose lanes share one extra
-             * take the popcount above, as at W = 32: against this path, on that Xeon,
-             * torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x, trained-like fp32
-             * 1.01-1.03x (its steps rarely qualify; the test costs). */
+             * 0x0101...01 and 0x0001...0001, chosen on Zen 5; VPMULLQ is 3 uops and 15
+             * cycles on Intel cores (instruction tables), and on a Xeon (Sapphire Rapids
+             * class) fp32 d128 torchrec-init rows decoded in 0.55-0.60x the time with the
+             * shifts (in cache, 1 thread, benchmarks.ab, both orders). Steps whose lanes
+             * share one extra take the popcount above, as at W = 32: against this path, on
+             * that Xeon, torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x,
+             * trained-like fp32 1.01-1.03x (its steps never qualify; the test costs),
+             * trained-like fp16 0.85-1.04x. */
             const __m256i x = _mm256_maskz_mov_epi8(~part, _mm256_loadu_si256((const void *)lay->lane_extra));
             __m256i incl = _mm256_add_epi64(x, _mm256_slli_epi64(x, 8));
             incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 16));
