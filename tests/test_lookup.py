@@ -343,6 +343,45 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_lookup_many_streams_large_outputs_exactly(threads):
+    """An output larger than L2 (here over 64 MB, the most libibp assumes) gets each
+    bag's finished sums with streaming stores, where its rows are whole aligned lines
+    (dims of 16 floats) and the mode is SUM: every path (a slot a row, the
+    deduplicated scratch, weights, bags longer than a window of ids) must give the
+    same bits as the same bags looked up a few at a time (an output that fits any
+    cache: plain stores), and unweighted sums embedding_bag's bits."""
+    from ibp_embed.datasets import zipf_ids
+    from ibp_embed.table import _lookup_many_checked as lookup_many
+
+    g = torch.Generator().manual_seed(35)
+    b = 2100
+    specs = [(torch.float32, 60, "sum", False), (torch.float16, 300, "sum", True),  # a slot a row; deduplicated
+             (torch.bfloat16, 40, "mean", True), (torch.float32, 300, "sum", False)]
+    lengths = torch.randint(0, 40, (b,), generator=g)
+    lengths[::37], lengths[5] = 0, 3000  # empty bags, and one longer than a window
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).numpy()
+    jobs = []
+    for k, (dtype, n_rows, mode, weighted) in enumerate(specs):
+        t = ibp_embed.compress((torch.randn(n_rows, 2048, generator=g) * 0.1).to(dtype))
+        ids = zipf_ids(int(off[-1]), n_rows, 1.05, seed=k).numpy()
+        jobs.append((t, ids, off, torch.rand(ids.size, generator=g).numpy() if weighted else None, mode))
+    with native_threads(threads):
+        for isa in every_isa():  # AVX-512 and AVX2 stream 64 and 32 bytes a store
+            got = lookup_many(jobs, b)
+            assert got.numel() * 4 > 64 << 20
+            for b0 in range(0, b, 4):  # 4 bags a call: a 128 KB output
+                lo, hi = off[b0], off[b0 + 4]
+                part = [(t, ids[lo:hi], off[b0:b0 + 5] - lo, None if w is None else w[lo:hi], mode)
+                        for t, ids, _, w, mode in jobs]
+                assert torch.equal(got[b0:b0 + 4], lookup_many(part, 4)), (isa, b0)
+    for k, (t, ids, _, w, mode) in enumerate(jobs):
+        if w is None and mode == "sum":
+            assert torch.equal(got[:, 2048 * k:2048 * (k + 1)],
+                               F.embedding_bag(torch.from_numpy(ids), t.decompress().float(),
+                                               torch.from_numpy(off[:-1]), mode="sum"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_lookup_many_gives_each_thread_whole_tables_when_they_balance(threads):
     """Where a call has enough tables to deduplicate to keep every thread busy with
     whole ones, each such table is one task (its distinct rows decoded once, not
