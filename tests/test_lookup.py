@@ -345,11 +345,11 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_lookup_many_streams_large_outputs_exactly(threads):
     """An output larger than L2 (here over 64 MB, the most libibp assumes) gets each
-    bag's finished sums with streaming stores, where its rows are whole aligned lines
-    (dims of 16 floats) and the mode is SUM: every path (a slot a row, the
-    deduplicated scratch, weights, bags longer than a window of ids) must give the
-    same bits as the same bags looked up a few at a time (an output that fits any
-    cache: plain stores), and unweighted sums embedding_bag's bits."""
+    bag's finished sums (MEAN's scaled as they are finished) with streaming stores,
+    where its rows are whole aligned lines (dims of 16 floats): every path (a slot a
+    row, the deduplicated scratch, weights, MEAN, bags longer than a window) must
+    give the same bits as the same bags looked up a few at a time (an output that
+    fits any cache: plain stores), and unweighted sums embedding_bag's bits."""
     from ibp_embed.datasets import zipf_ids
     from ibp_embed.table import _lookup_many_checked as lookup_many
 
