@@ -98,6 +98,19 @@ static inline __attribute__((always_inline)) int decode_full_row(const void *p_v
 }
 #define IBP_DECODE_FULL_ROW(plan, row, len, out) decode_full_row((plan), (row), (len), (out))
 
+/* The 4 header bytes from h in every 32-bit element: a broadcast from memory (a load,
+ * where one from a register takes the shuffle port). The bytes past the header are
+ * the bitstream's, or the payload's tail pad. The steps count the non-participating
+ * lanes below each lane from it and the plan's late_below, and multiply by the
+ * extra broadcast from memory as well: against broadcasting the header's lane mask
+ * and the extra from registers, in-cache decode 0.92-0.97x the time at W = 64 (fp32
+ * d128), 0.86-1.02x at W = 32 and 0.95-1.03x at W = 16 (fp16 d64; 1 thread, both
+ * orders). */
+static inline __m512i header_bits(const uint8_t *h)
+{
+    return _mm512_broadcastd_epi32(_mm_loadu_si32((const void *)h));
+}
+
 static inline __m512i shift_lanes_up(__m512i x, int lanes)
 {
     /* lane i <- lane i - lanes, zeros below */
@@ -118,10 +131,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w64 = _mm512_set1_epi64(64);
     const __m512i ones = _mm512_set1_epi64(-1);
-    const __m512i bytes01234567 = _mm512_set1_epi64(0x0706050403020100LL);
-    const __m512i bytes_x8 = _mm512_set1_epi64(0x0808080808080808LL);
-    const __m512i splat_byte = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0808080808080808LL, 0)); /* lane's byte 0 */
-    const __m512i lanes_below = _mm512_set_epi64(127, 63, 31, 15, 7, 3, 1, 0); /* lane l: the lanes under it */
+    const __m512i one = _mm512_set1_epi64(1);
     const plan_step *ps = planned ? plan->steps : NULL; /* step j / 8's */
     uint64_t pos = *pos_io;
     uint32_t j = 0;
@@ -138,9 +148,9 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
         }
         if (lay && lay->extra) { /* the planned layout, corrected for non-participating lanes */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
-            const __m512i below = _mm512_and_si512(_mm512_set1_epi64(late), lanes_below);
+            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8), ps->late_below[0]);
             excl = _mm512_add_epi64(ps->excl, _mm512_mullo_epi16(_mm512_popcnt_epi64(below), /* as at W = 32 */
-                                                                 _mm512_set1_epi64(lay->extra)));
+                                                                 _mm512_set1_epi32((int)lay->extra_x2)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
             __m512i vb = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)(vbits + j)));
@@ -157,11 +167,10 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
         const uint8_t *win = bs + (pos >> 3);
         __m512i lo = _mm512_loadu_si512((const void *)win);
         __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
-        __m512i idx = _mm512_add_epi64(_mm512_shuffle_epi8(_mm512_srli_epi64(at, 3), splat_byte), bytes01234567);
-        __m512i b0 = _mm512_permutex2var_epi8(lo, idx, hi);                                  /* bytes k..k+7 */
-        __m512i b8 = _mm512_permutex2var_epi8(lo, _mm512_add_epi64(idx, bytes_x8), hi);      /* bytes k+8..k+15 */
-        __m512i s = _mm512_and_si512(at, _mm512_set1_epi64(7));
-        __m512i field = _mm512_shrdv_epi64(b0, b8, s); /* bits s.. of b8:b0 */
+        const __m512i q = _mm512_srli_epi64(at, 6); /* the field's first word of the window */
+        __m512i field = _mm512_shrdv_epi64(_mm512_permutex2var_epi64(lo, q, hi),
+                                           _mm512_permutex2var_epi64(lo, _mm512_add_epi64(q, one), hi),
+                                           at); /* bits at % 64.. of words q + 1 : q */
         if (plan) { /* planned deposit (see plan_cluster); non-participating lanes keep the raw word */
             __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi64(field, part, dep);
@@ -207,9 +216,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
 }
 
 /* Decode words [0, 16 * floor(full / 16)) of a W = 32 row; returns how many. The W = 64
- * steps above with sixteen 32-bit lanes: each lane's field is cut from two 4-byte
- * gathers of the window (a field starts at any bit of its first byte and spans at most
- * 5 bytes). Two header bytes give the step's lane mask. `direct` (a constant) tries
+ * steps above with sixteen 32-bit lanes. Two header bytes give the step's lane mask. `direct` (a constant) tries
  * direct steps where every word participates (see DECODE_WORDS_ENTRY). */
 static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
@@ -219,11 +226,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w32 = _mm512_set1_epi32(32);
     const __m512i ones = _mm512_set1_epi32(-1);
-    const __m512i bytes0123 = _mm512_set1_epi32(0x03020100);
-    const __m512i bytes_x4 = _mm512_set1_epi32(0x04040404);
-    const __m512i splat_byte = _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0));
-    const __m512i lanes_below = _mm512_set_epi32(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f, 0x3f,
-                                                 0x1f, 0xf, 0x7, 0x3, 0x1, 0);
+    const __m512i one = _mm512_set1_epi32(1);
     const __m512i zero = _mm512_setzero_si512();
     const plan_step *ps = planned ? plan->steps : NULL; /* step j / 16's */
     uint64_t pos = *pos_io;
@@ -242,12 +245,12 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
         }
         if (lay && lay->extra) { /* as in decode_words64_avx512 */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
-            const __m512i below = _mm512_and_si512(_mm512_set1_epi32((int)late), lanes_below);
+            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8), ps->late_below[0]);
             /* a 16-bit multiply (the products, at most 15 * 32, fit): VPMULLD is 2 uops and 10
              * cycles on Intel cores (instruction tables); fp32 d128 W = 32 rows 0.87-0.99x the
              * time on a Xeon (medians 0.95-1.02x) */
             excl = _mm512_add_epi32(ps->excl, _mm512_mullo_epi16(_mm512_popcnt_epi32(below),
-                                                                 _mm512_set1_epi32(lay->extra)));
+                                                                 _mm512_set1_epi32((int)lay->extra_x2)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
             __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(vbits + j)));
@@ -263,11 +266,9 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
         const uint8_t *win = bs + (pos >> 3);
         __m512i lo = _mm512_loadu_si512((const void *)win);
         __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
-        __m512i idx = _mm512_add_epi32(_mm512_shuffle_epi8(_mm512_srli_epi32(at, 3), splat_byte), bytes0123);
-        __m512i b0 = _mm512_permutex2var_epi8(lo, idx, hi);                             /* bytes k..k+3 */
-        __m512i b4 = _mm512_permutex2var_epi8(lo, _mm512_add_epi32(idx, bytes_x4), hi); /* bytes k+4..k+7 */
-        __m512i sh = _mm512_and_si512(at, _mm512_set1_epi32(7));
-        __m512i field = _mm512_shrdv_epi32(b0, b4, sh);
+        const __m512i q = _mm512_srli_epi32(at, 5); /* as at W = 64, in 32-bit words */
+        __m512i field = _mm512_shrdv_epi32(_mm512_permutex2var_epi32(lo, q, hi),
+                                           _mm512_permutex2var_epi32(lo, _mm512_add_epi32(q, one), hi), at);
         if (plan) { /* as in decode_words64_avx512 */
             __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi32(field, part, dep);
@@ -315,8 +316,7 @@ static inline __m512i shift_words_up(__m512i x, int k)
 }
 
 /* Decode words [0, 32 * floor(full / 32)) of a W = 16 row; returns how many. The same
- * steps with thirty-two 16-bit lanes (a field spans at most 3 bytes: two 2-byte
- * gathers); four header bytes give the lane mask; `direct` as at W = 32. */
+ * steps with thirty-two 16-bit lanes; four header bytes give the lane mask; `direct` as at W = 32. */
 static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
@@ -325,17 +325,12 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w16 = _mm512_set1_epi16(16);
     const __m512i ones = _mm512_set1_epi16(-1);
-    const __m512i bytes01 = _mm512_set1_epi16(0x0100);
-    const __m512i bytes_x2 = _mm512_set1_epi16(0x0202);
-    const __m512i splat_byte = _mm512_broadcast_i32x4(_mm_set_epi16(0x0e0e, 0x0c0c, 0x0a0a, 0x0808, 0x0606, 0x0404, 0x0202, 0));
+    const __m512i one = _mm512_set1_epi16(1);
     /* the bytes that end each 8-lane group of a 32-byte vector, gathered into 16-bit fields */
     const __m256i group_last = _mm256_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                0, 31, 0, 23, 0, 15, 0, 7);
     const __m512i group_below = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
                                                  0, 0, 0, 0, 0, 0, 0, 0); /* lanes 0-7: none (masked) */
-    const __m512i lanes_below = _mm512_set_epi16(0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff, 0x1ff, 0xff, 0x7f, 0x3f,
-                                                 0x1f, 0xf, 0x7, 0x3, 0x1, 0, 0x7fff, 0x3fff, 0x1fff, 0xfff, 0x7ff, 0x3ff,
-                                                 0x1ff, 0xff, 0x7f, 0x3f, 0x1f, 0xf, 0x7, 0x3, 0x1, 0); /* per half */
     const __m512i zero = _mm512_setzero_si512();
     const plan_step *ps = planned ? plan->steps : NULL; /* step j / 32's */
     uint64_t pos = *pos_io;
@@ -354,12 +349,11 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
         }
         if (lay && lay->extra) { /* one extra: as in decode_words64_avx512, the popcount per half */
             const uint32_t late = ~part & lay->extra_lanes;
-            const __m512i halves = _mm512_inserti64x4(_mm512_set1_epi16((short)late),
-                                                      _mm256_set1_epi16((short)(late >> 16)), 1);
-            __m512i below = _mm512_popcnt_epi16(_mm512_and_si512(halves, lanes_below));
-            below = _mm512_mask_add_epi16(below, 0xffff0000u, below,
-                                          _mm512_set1_epi16((short)__builtin_popcount(late & 0xffff)));
-            excl = _mm512_add_epi16(ps->excl, _mm512_mullo_epi16(below, _mm512_set1_epi16(lay->extra)));
+            const __m512i h = header_bits(hdr + j / 8);
+            const __m512i below = _mm512_or_si512(
+                _mm512_popcnt_epi32(_mm512_andnot_si512(h, ps->late_below[0])),
+                _mm512_slli_epi32(_mm512_popcnt_epi32(_mm512_andnot_si512(h, ps->late_below[1])), 16));
+            excl = _mm512_add_epi16(ps->excl, _mm512_mullo_epi16(below, _mm512_set1_epi32((int)lay->extra_x2)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else if (lay) {
             /* The planned layout, corrected by a prefix sum of the non-participating lanes'
@@ -402,11 +396,9 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
         const uint8_t *win = bs + (pos >> 3);
         __m512i lo = _mm512_loadu_si512((const void *)win);
         __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
-        __m512i idx = _mm512_add_epi16(_mm512_shuffle_epi8(_mm512_srli_epi16(at, 3), splat_byte), bytes01);
-        __m512i b0 = _mm512_permutex2var_epi8(lo, idx, hi);                             /* bytes k, k+1 */
-        __m512i b2 = _mm512_permutex2var_epi8(lo, _mm512_add_epi16(idx, bytes_x2), hi); /* bytes k+2, k+3 */
-        __m512i sh = _mm512_and_si512(at, _mm512_set1_epi16(7));
-        __m512i field = _mm512_shrdv_epi16(b0, b2, sh);
+        const __m512i q = _mm512_srli_epi16(at, 4); /* as at W = 64, in 16-bit words */
+        __m512i field = _mm512_shrdv_epi16(_mm512_permutex2var_epi16(lo, q, hi),
+                                           _mm512_permutex2var_epi16(lo, _mm512_add_epi16(q, one), hi), at);
         if (plan) { /* as in decode_words64_avx512 */
             __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi16(field, part, dep);
