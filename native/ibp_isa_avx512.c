@@ -216,8 +216,9 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
 }
 
 /* Decode words [0, 16 * floor(full / 16)) of a W = 32 row; returns how many. The W = 64
- * steps above with sixteen 32-bit lanes. Two header bytes give the step's lane mask. `direct` (a constant) tries
- * direct steps where every word participates (see DECODE_WORDS_ENTRY). */
+ * steps above with sixteen 32-bit lanes. Two header bytes give the step's lane mask.
+ * `direct` (a constant) tries direct steps where every word participates (see
+ * DECODE_WORDS_ENTRY). */
 static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
@@ -316,7 +317,8 @@ static inline __m512i shift_words_up(__m512i x, int k)
 }
 
 /* Decode words [0, 32 * floor(full / 32)) of a W = 16 row; returns how many. The same
- * steps with thirty-two 16-bit lanes; four header bytes give the lane mask; `direct` as at W = 32. */
+ * steps with thirty-two 16-bit lanes; four header bytes give the lane mask; `direct`
+ * as at W = 32. */
 static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
