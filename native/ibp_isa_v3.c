@@ -4,10 +4,11 @@
  *
  * Built a second time with IBP_V3_NO_PDEP for AMD Zen 1 and 2 (family 17h), whose
  * pext and pdep are microcoded. That build keeps everything else of x86-64-v3 (AVX2
- * pooling, F16C conversions, bzhi); it extracts with the portable loops of
- * ibp_bits.h (a step per run of invariant bits) and decodes four units of 64 bits a
- * step with AVX2 (ibp_units_avx2.inc). On a Zen 2 it decoded a fp32 d128 row (in
- * cache) in 95-150 ns, the pdep build in 4,900-6,600. */
+ * pooling, F16C conversions, bzhi); it extracts and deposits with the portable loops
+ * of ibp_bits.h (a step per run of invariant bits). On a Zen 2 it decoded a fp32
+ * d128 row (in cache) in 95-150 ns, the pdep build (then a unit at a time) in
+ * 4,900-6,600. Both builds decode whole rows four units of 64 bits a step with AVX2
+ * (ibp_units_avx2.inc). */
 #include <immintrin.h>
 #ifdef IBP_V3_NO_PDEP
 #define IBP_ISA v3_no_pdep
