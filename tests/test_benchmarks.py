@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ibp_embed  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks import lookup as L  # noqa: E402
+from benchmarks.lookup.cli import plan  # noqa: E402
 
 
 def test_host_bytes_model_by_hand():
@@ -68,6 +69,18 @@ def test_load_trained_tables(tmp_path):
     assert sorted(tables) == ["ckpt.pt:model.sparse.embedding_bags.t0.weight", "t1.ibp"]
     sets = L.trained_table_sets(tmp_path)
     assert sorted((s.name, tuple(s.rows)) for s in sets) == [("dir-bf16", (20,)), ("dir-fp32", (30,))]
+
+
+def test_plan_takes_any_dims_and_refuses_an_empty_one(capsys):
+    sets = plan(L.parse_args(["--dims", "384,64", "--dtypes", "fp16", "--inits", "torchrec"]))
+    assert [(ts.dtype, ts.dims[0], ts.init) for ts, _ in sets] == [(torch.float16, 384, "torchrec"),
+                                                                   (torch.float16, 64, "torchrec")]
+    quick = plan(L.parse_args(["--quick", "--dtypes", "fp32"]))
+    assert [(ts.dims[0], ts.init) for ts, _ in quick] == [(128, "torchrec"), (128, "trained")]
+    for bad in (["--quick", "--dims", "384"], ["--dims", "0"], ["--dims", "x"], ["--inits", "normal"]):
+        with pytest.raises(SystemExit):
+            L.parse_args(bad)
+    assert "--quick runs only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

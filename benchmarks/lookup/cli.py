@@ -24,10 +24,9 @@ def plan(args) -> list[tuple[TableSet, list[Workload]]]:
     if args.quick:
         combos = [("fp32", 128, "torchrec"), ("fp32", 128, "trained"), ("fp16", 64, "torchrec"),
                   ("bf16", 64, "trained")]
-    else:
-        combos = [(dt, d, init) for init in ("torchrec", "trained") for dt in ("fp32", "fp16", "bf16")
-                  for d in (128, 64)]
-    combos = [c for c in combos if c[0] in args.dtypes and c[1] in args.dims and c[2] in args.inits]
+        combos = [c for c in combos if c[0] in args.dtypes and c[1] in args.dims and c[2] in args.inits]
+    else:  # every combination asked for (the targets span dims 64-384)
+        combos = [(dt, d, init) for init in args.inits for dt in args.dtypes for d in args.dims]
     for dt, d, init in combos:
         ts = TableSet(name=f"criteo-{dt}-d{d}-{init}", init=init, dtype=DTYPES[dt], dims=[d] * len(rows), rows=rows)
         works = [CENTER, UNIFORM]
@@ -68,12 +67,23 @@ def parse_args(argv=None):
     a.repeats = a.repeats or (3 if a.quick else 5)
     a.codec_sample = a.codec_sample or (2048 if a.quick else 8192)
     a.all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    a.dims = [int(x) for x in a.dims.split(",")]
+    try:
+        a.dims = [int(x) for x in a.dims.split(",")]
+    except ValueError:
+        p.error(f"--dims: {a.dims!r} is not a comma-separated list of integers")
+    if min(a.dims) < 1:
+        p.error(f"--dims: {a.dims} must be positive")
     a.dtypes = a.dtypes.split(",")
     a.inits = a.inits.split(",")
     for x in a.dtypes:
         if x not in DTYPES:
             p.error(f"--dtypes: {x!r} is not one of {list(DTYPES)}")
+    for x in a.inits:
+        if x not in ("torchrec", "trained"):
+            p.error(f"--inits: {x!r} is not one of ['torchrec', 'trained']")
+    if not a.trained_tables and not plan(a):
+        p.error("no table set matches --dtypes, --dims and --inits (--quick runs only fp32 d128 torchrec and "
+                "trained-like, fp16 d64 torchrec and bf16 d64 trained-like; drop --quick for other dims)")
     return a
 
 
