@@ -374,7 +374,7 @@ def test_property_long_rows(n, r, w, k, seed, p_word):
        seed=st.integers(0, 2**32 - 1), p_word=st.floats(0.5, 1.0))
 def test_property_few_runs(n, r, w, k, seed, p_word):
     """Masks of a run or two a word (floats), rows with most words participating: the
-    planned deposits and the steps of four units (the AVX2 kernels without pdep),
+    planned deposits and the steps of four units (the AVX2 kernels, with pdep or without),
     with every mix of participating words, full rows among them (p_word = 1)."""
     rng = random.Random(seed)
     masks, bitvals = runs_codebook(rng, k, r, w)
