@@ -1,0 +1,111 @@
+"""Where ibp's pooled lookup stands against FBGEMM's TBE, table by table.
+
+    python -m benchmarks.per_table                         # fp32 d128, Zipf and uniform
+    python -m benchmarks.per_table --dtype float16 --dim 384 --dist zipf
+
+`benchmarks.lookup` times whole table sets (26 tables in one call); its ratio mixes
+tables of a hundred rows with tables of a hundred thousand. Here each table size of
+the quick set (Criteo Kaggle cardinalities x 0.01, the distinct sizes from 105 rows up)
+is looked up alone: one B x P batch (default B4096 x P20, as the lookup benchmark's
+center) into one table, ibp's `lookup_many` (the native call the IBP collection runs)
+against FBGEMM's TBE (HOST) with the same weights, 1 thread, calls interleaved
+(common.time_interleaved). Outputs are checked against the TBE's first (float32:
+bit for bit, as both sum a bag's rows in order; half precision: to 1e-3, FBGEMM
+widens differently). Results: a markdown table (median ms and the ratio FBGEMM / ibp,
+above 1 where ibp is faster) and benchmarks/results/per_table-<UTC time>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import ibp_embed
+from ibp_embed import datasets
+from ibp_embed.table import _lookup_many_checked
+
+from . import common
+from .lookup.systems import build_tbe
+from .lookup.tables import criteo_rows
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dist", default="zipf,uniform", help="comma-separated, of zipf, uniform")
+    p.add_argument("--rows", help="comma-separated table sizes (default: the quick set's from 105 rows)")
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--pooling", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
+    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    args = p.parse_args(argv)
+    args.dists = args.dist.split(",")
+    if any(d not in ("zipf", "uniform") for d in args.dists):
+        p.error(f"--dist takes zipf and uniform, not {args.dist!r}")
+    args.sizes = ([int(n) for n in args.rows.split(",")] if args.rows else
+                  sorted({n for n in criteo_rows(0.01) if n >= 100}))
+    for name in ("dim", "batch", "pooling", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    if min(args.sizes) < 1:
+        p.error("--rows: every table needs a row")
+    return args
+
+
+def time_table(n_rows: int, dist: str, args) -> dict:
+    dtype = DTYPES[args.dtype]
+    weights = datasets.make_table(n_rows, args.dim, dtype, init="torchrec", seed=n_rows)
+    table = ibp_embed.compress(weights, progress=False)
+    tbe = build_tbe([n_rows], [args.dim], dtype)
+    with torch.no_grad():
+        tbe.split_embedding_weights()[0].copy_(weights)
+    n_ids = args.batch * args.pooling
+    ids = (datasets.zipf_ids(n_ids, n_rows, 1.05, seed=1) if dist == "zipf" else
+           datasets.uniform_ids(n_ids, n_rows, seed=1))
+    offsets = torch.arange(0, n_ids + 1, args.pooling, dtype=torch.int64)
+    ids_np, offsets_np = ids.numpy(), offsets.numpy()
+
+    def ibp():
+        return _lookup_many_checked([(table, ids_np, offsets_np, None, "sum")], args.batch)
+
+    want, got = tbe(ids, offsets), ibp()
+    same = torch.equal(want, got) if dtype == torch.float32 else torch.allclose(want, got, rtol=1e-3, atol=1e-3)
+    if not same:
+        raise SystemExit(f"per_table: ibp's pooled sums differ from FBGEMM's ({n_rows} rows, {dist})")
+    t = common.time_interleaved({"fbgemm": lambda: tbe(ids, offsets), "ibp": ibp}, repeats=args.repeats)
+    return {"rows": n_rows, "dist": dist, "ratio": table.ratio, "word_bits": table.word_bits,
+            "distinct": float(np.unique(ids_np).size / n_ids),
+            "fbgemm_ms": t["fbgemm"]["median_s"] * 1e3, "ibp_ms": t["ibp"]["median_s"] * 1e3,
+            "speed": t["fbgemm"]["median_s"] / t["ibp"]["median_s"]}
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    common.steady_allocations()
+    with common.threads(1):
+        runs = []
+        for dist in args.dists:
+            for n in args.sizes:
+                print(f"[per_table] {args.dtype} d{args.dim} {dist} {n} rows", file=sys.stderr, flush=True)
+                runs.append(time_table(n, dist, args))
+    print(f"{args.dtype} d{args.dim}, B{args.batch} x P{args.pooling}, one table a call, 1 thread, median of "
+          f"{args.repeats} interleaved rounds; load average {common.load_average()}\n")
+    print(common.markdown_table(
+        ["ids", "rows", "distinct ids", "ibp ratio", "FBGEMM TBE ms", "ibp lookup_many ms", "FBGEMM / ibp"],
+        [[r["dist"], r["rows"], f"{r['distinct']:.2f}", f"{r['ratio']:.3f}", common.fmt(r["fbgemm_ms"]),
+          common.fmt(r["ibp_ms"]), f"{r['speed']:.2f}x"] for r in runs]))
+    result = {"machine": common.machine_info(), "config": {k: v for k, v in vars(args).items() if k != "dists"},
+              "runs": runs}
+    path = common.write_json(result, "per_table", results_dir=args.results_dir)
+    print(f"\nresults: {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""benchmarks/per_table.py (ibp against FBGEMM table by table) on a tiny configuration."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import per_table  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_each_table_is_timed_and_checked(tmp_path, dtype):
+    got = per_table.main(["--dtype", dtype, "--dim", "16", "--rows", "50,300", "--batch", "64", "--pooling", "3",
+                          "--repeats", "1", "--results-dir", str(tmp_path)])
+    assert [(r["dist"], r["rows"]) for r in got["runs"]] == [("zipf", 50), ("zipf", 300), ("uniform", 50),
+                                                              ("uniform", 300)]
+    for r in got["runs"]:
+        assert r["fbgemm_ms"] > 0 and r["ibp_ms"] > 0 and r["speed"] == r["fbgemm_ms"] / r["ibp_ms"]
+        assert 0 < r["distinct"] <= 1
+    saved = json.loads(next(tmp_path.glob("per_table-*.json")).read_text())
+    assert saved["runs"] == json.loads(json.dumps(got["runs"]))
+
+
+def test_a_wrong_sum_stops_it(tmp_path, monkeypatch):
+    real = per_table._lookup_many_checked
+    monkeypatch.setattr(per_table, "_lookup_many_checked", lambda *a: real(*a) + 1.0)
+    with pytest.raises(SystemExit, match="differ from FBGEMM"):
+        per_table.main(["--dim", "8", "--rows", "40", "--batch", "16", "--pooling", "2", "--dist", "zipf",
+                        "--repeats", "1", "--results-dir", str(tmp_path)])
+
+
+def test_bad_arguments():
+    for bad in (["--dist", "normal"], ["--dim", "0"], ["--rows", "0"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            per_table.parse(bad)
+    assert per_table.parse([]).sizes[0] == 105 and torch.float16 in per_table.DTYPES.values()
