@@ -22,6 +22,12 @@ measurement is run twice, A first and then B first, and both ratios are printed.
 outputs must be bit-identical. Results: a markdown table (min and median ms, B / A) and
 benchmarks/results/ab-<UTC time>.json.
 
+Apart from the order there is the position: a build timed against itself
+(`python -m benchmarks.ab X.so X.so`) put B 1.01-1.03x behind A on fp16 d64 lookups and
+1.08-1.17x on fp16 d384 ones (one process, 2026-12-03, the Xeon of the README), in
+both orders. Where a change's effect is that small, time it with the builds swapped as
+well (`ab B A`) or with `--isolated`.
+
 `--isolated` times each build in a process of its own instead (the processes alternate,
 in both orders; each makes the same table and ids and reports a digest of its output),
 for changes whose effect one library could hide from the other: in one process the two

@@ -88,4 +88,19 @@ static inline void ibp_row_span(const ibp_table *t, uint64_t i, uint64_t *start,
     }
 }
 
+/* The payload lines [next, end) of a row decoded later, which a row decoder
+ * prefetches a line a step (see decode_spans_w in ibp_rowcodec.inc). */
+typedef struct step_prefetch {
+    const uint8_t *next, *end;
+} step_prefetch;
+
+/* Prefetch the next line of pf (may be NULL), if any is left. */
+static inline void step_prefetch_line(step_prefetch *pf)
+{
+    if (pf && pf->next < pf->end) {
+        __builtin_prefetch(pf->next);
+        pf->next += 64;
+    }
+}
+
 #endif /* IBP_INTERNAL_H */

@@ -77,7 +77,7 @@ static inline __attribute__((always_inline)) __m512i full_step(const plan_step *
  * whose rows do not qualify, 1.02x; rows from memory (a lookup into 101k rows)
  * 0.97-1.04x. Returns 0 (nothing written) for any other row. */
 static inline __attribute__((always_inline)) int decode_full_row(const void *p_v, const uint8_t *row, uint64_t len,
-                                                                 uint8_t *out)
+                                                                 uint8_t *out, step_prefetch *pf)
 {
     const decode_plan *p = p_v;
     if (!p)
@@ -94,14 +94,18 @@ static inline __attribute__((always_inline)) int decode_full_row(const void *p_v
     const uint8_t *bs = hdr + v->hdr_bytes;
     const plan_step *ps = v->steps, *const end = ps + v->n_steps; /* locals: the stores may alias v */
     if (v->most_shifts <= 2) /* the number of shifts a constant: no branch per step */
-        for (; ps < end; ps++, out += 64)
+        for (; ps < end; ps++, out += 64) {
+            step_prefetch_line(pf);
             _mm512_storeu_si512((void *)out, full_step(ps, bs, 2));
+        }
     else
-        for (; ps < end; ps++, out += 64)
+        for (; ps < end; ps++, out += 64) {
+            step_prefetch_line(pf);
             _mm512_storeu_si512((void *)out, full_step(ps, bs, 3));
+        }
     return 1;
 }
-#define IBP_DECODE_FULL_ROW(plan, row, len, out) decode_full_row((plan), (row), (len), (out))
+#define IBP_DECODE_FULL_ROW(plan, row, len, out, pf) decode_full_row((plan), (row), (len), (out), (pf))
 
 /* The 4 header bytes from h in every 32-bit element: a broadcast from memory (a load,
  * where one from a register takes the shuffle port). The bytes past the header are
@@ -131,7 +135,7 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
 static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v, const int planned)
+                                             const void *plan_v, const int planned, step_prefetch *pf)
 {
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w64 = _mm512_set1_epi64(64);
@@ -141,6 +145,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
     uint64_t pos = *pos_io;
     uint32_t j = 0;
     for (; j + 8 <= full; j += 8, ps += planned) {
+        step_prefetch_line(pf); /* a later row's line (see decode_spans_w) */
         __mmask8 part = hdr[j / 8];
         __m512i excl, n = w64; /* each field's offset from the step's first bit; its length (read
                                 * only by the unplanned deposit) */
@@ -208,15 +213,15 @@ static __attribute__((noinline)) uint32_t decode_words64_unplanned(const uint8_t
                                                                    const uint64_t *mask, const uint64_t *bitval,
                                                                    const uint8_t *vbits, uint32_t full, uint8_t *out)
 {
-    return decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, NULL, 0);
+    return decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, NULL, 0, NULL);
 }
 
 static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v)
+                                             const void *plan_v, step_prefetch *pf)
 {
-    return plan_v ? decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1)
+    return plan_v ? decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, pf)
                   : decode_words64_unplanned(hdr, bs, pos_io, mask, bitval, vbits, full, out);
 }
 
@@ -476,6 +481,7 @@ DECODE_WORDS_ENTRY(32)
 DECODE_WORDS_ENTRY(16)
 
 #define IBP_DECODE_WORDS64_SIMD decode_words64_avx512
+#define IBP_STEP_PREFETCH 1 /* the W = 64 decoders prefetch a line a step */
 #define IBP_DECODE_WORDS32_SIMD decode_words32_avx512
 #define IBP_DECODE_WORDS16_SIMD decode_words16_avx512
 #define IBP_EXTRACT(w, mask, W) _pext_u64((w), ~(mask) & ibp_low_bits(W))
