@@ -48,8 +48,11 @@ def parse(argv=None):
     args.dists = args.dist.split(",")
     if any(d not in ("zipf", "uniform") for d in args.dists):
         p.error(f"--dist takes zipf and uniform, not {args.dist!r}")
-    args.sizes = ([int(n) for n in args.rows.split(",")] if args.rows else
-                  sorted({n for n in criteo_rows(0.01) if n >= 100}))
+    try:
+        args.sizes = ([int(n) for n in args.rows.split(",")] if args.rows else
+                      sorted({n for n in criteo_rows(0.01) if n >= 100}))
+    except ValueError:
+        p.error(f"--rows takes comma-separated integers, not {args.rows!r}")
     for name in ("dim", "batch", "pooling", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, not {getattr(args, name)}")

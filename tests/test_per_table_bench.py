@@ -33,7 +33,7 @@ def test_a_wrong_sum_stops_it(tmp_path, monkeypatch):
 
 
 def test_bad_arguments():
-    for bad in (["--dist", "normal"], ["--dim", "0"], ["--rows", "0"], ["--repeats", "0"]):
+    for bad in (["--dist", "normal"], ["--dim", "0"], ["--rows", "0"], ["--rows", "1k"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             per_table.parse(bad)
     assert per_table.parse([]).sizes[0] == 105 and torch.float16 in per_table.DTYPES.values()
