@@ -88,6 +88,33 @@ static inline void ibp_row_span(const ibp_table *t, uint64_t i, uint64_t *start,
     }
 }
 
+/* ibp_row_span of rows ids[0..n) (in range), with the layout read once: the loop of
+ * ibp_row_span calls read the table's fields again for every row (its stores to
+ * start and len may alias them) and tested the layout twice a row. 1 thread,
+ * benchmarks.ab, both orders and the builds swapped: fp16 d64 rows in cache
+ * 0.90-0.95x the time, lookups into 22k rows 0.90-0.97x; fp32 d128 within noise. */
+static inline void ibp_row_spans(const ibp_table *t, const int64_t *ids, uint64_t n, uint64_t *start, uint64_t *len)
+{
+    const uint64_t *base = t->block_base;
+    if (t->block_len || t->cb.n_clusters == 0) {
+        for (uint64_t r = 0; r < n; r++) ibp_row_span(t, (uint64_t)ids[r], &start[r], &len[r]);
+    } else if (t->rel_bytes == 2) {
+        const uint16_t *rel = (const uint16_t *)t->rel;
+        for (uint64_t r = 0; r < n; r++) {
+            const uint64_t i = (uint64_t)ids[r], s = base[i / IBP_BLOCK_ROWS] + rel[i];
+            start[r] = s;
+            len[r] = base[(i + 1) / IBP_BLOCK_ROWS] + rel[i + 1] - s;
+        }
+    } else {
+        const uint32_t *rel = (const uint32_t *)t->rel;
+        for (uint64_t r = 0; r < n; r++) {
+            const uint64_t i = (uint64_t)ids[r], s = base[i / IBP_BLOCK_ROWS] + rel[i];
+            start[r] = s;
+            len[r] = base[(i + 1) / IBP_BLOCK_ROWS] + rel[i + 1] - s;
+        }
+    }
+}
+
 /* The payload lines [next, end) of a row decoded later, which a row decoder
  * prefetches a line a step (see decode_spans_w in ibp_rowcodec.inc). */
 typedef struct step_prefetch {
