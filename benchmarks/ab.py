@@ -26,7 +26,10 @@ Apart from the order there is the position: a build timed against itself
 (`python -m benchmarks.ab X.so X.so`) put B 1.01-1.03x behind A on fp16 d64 lookups and
 1.08-1.17x on fp16 d384 ones (one process, 2026-12-03, the Xeon of the README), in
 both orders. Where a change's effect is that small, time it with the builds swapped as
-well (`ab B A`) or with `--isolated`.
+well: `--swapped` runs every measure again in a second process that loads B first and
+prints those rows as `<measure> swapped` (B / A still the second build against the
+first), so a change that holds in both positions shows in both sets of rows.
+`--isolated` avoids positions altogether.
 
 `--isolated` times each build in a process of its own instead (the processes alternate,
 in both orders; each makes the same table and ids and reports a digest of its output),
@@ -228,11 +231,37 @@ def measure_isolated(what: str, paths: dict, args) -> list[dict]:
     return results
 
 
-def worker(args) -> None:
+def measure_swapped(paths: dict, args) -> dict:
+    """measure()'s results for every args.what, from a process that loads build B first
+    and A second (see the module doc): {what: [...]}, its rows named for the builds as
+    in this process, each with the library each name ran ("libs")."""
+    config = {**vars(args), "a": str(paths["B"]), "b": str(paths["A"]), "results_dir": None}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--worker-pair", json.dumps(config)],
+                         cwd=common.ROOT, capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"ab: the swapped process failed:\n{run.stdout}{run.stderr}")
+    swap = {"A": "B", "B": "A"}
+    return {what: [{**r, "order": ", ".join(swap[n] for n in r["order"].split(", ")), "A": r["B"], "B": r["A"],
+                    "libs": {"A": r["libs"]["B"], "B": r["libs"]["A"]}}
+                   for r in results]
+            for what, results in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+
+
+def worker(args, pair: bool = False) -> None:
     """`--worker CONFIG` (measure_isolated's options as JSON): time build args.a alone on
-    args.what and print measure()'s result (JSON)."""
+    args.what and print measure()'s result (JSON). `--worker-pair CONFIG`
+    (measure_swapped's): builds args.a and args.b, loaded in that order, on every
+    args.what, printed as {what: measure()'s results}."""
     torch.set_num_threads(1)
     common.steady_allocations()
+    if pair:
+        specs = {"A": args.a, "B": args.b}
+        libs = {name: load(build(spec, Path("unused"))) for name, spec in specs.items()}
+        table = make_table(args)
+        with kernels(libs, args.isa):
+            print(json.dumps({what: [{**r, "libs": specs} for r in measure(what, libs, table, args)]
+                              for what in args.what}))
+        return
     lib = load(build(args.a, Path("unused")))
     table = make_table(args)
     with kernels({"X": lib}, args.isa):
@@ -261,8 +290,13 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=50, help="timed rounds per order (default 50)")
     p.add_argument("--isolated", action="store_true",
                    help="time each build in a process of its own (for changes to what libibp keeps between calls)")
+    p.add_argument("--swapped", action="store_true",
+                   help="also time the builds loaded the other way round, in a second process (the position "
+                        "effect): rows '<measure> swapped'")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
+    if args.swapped and args.isolated:
+        p.error("--swapped and --isolated: a process per build has no position to swap")
     args.what = [w.strip() for w in args.what.split(",") if w.strip()]
     bad = [w for w in args.what if w not in WHAT]
     if bad:
@@ -275,8 +309,8 @@ def parse(argv=None):
 
 def main(argv=None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:  # one process of --isolated
-        return worker(argparse.Namespace(**json.loads(argv[1])))
+    if argv[:1] in (["--worker"], ["--worker-pair"]):  # one process of --isolated, or --swapped's
+        return worker(argparse.Namespace(**json.loads(argv[1])), pair=argv[0] == "--worker-pair")
     args = parse(argv)
     torch.set_num_threads(1)
     common.steady_allocations()
@@ -298,6 +332,12 @@ def main(argv=None) -> dict | None:
                 for what in args.what:
                     print(f"[ab] {what}", file=sys.stderr, flush=True)
                     runs[what] = measure(what, libs, table, args)
+            if args.swapped:
+                print("[ab] every measure again, B loaded first, in a second process", file=sys.stderr, flush=True)
+                for what, results in measure_swapped(paths, args).items():
+                    if results[0]["digest"] != runs[what][0]["digest"]:
+                        raise SystemExit("ab: the swapped process's outputs differ from this one's")
+                    runs[f"{what} swapped"] = results
     rows = []
     for what, orders in runs.items():
         for r in orders:
@@ -308,7 +348,9 @@ def main(argv=None) -> dict | None:
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     print(f"A = {args.a}, B = {args.b}; {args.dtype} d{args.dim} {args.init}, {args.rows} rows, "
           f"W {args.word_bits or 'auto'}; {args.isa or 'best'} kernels; 1 thread"
-          f"{'; a process per build' if args.isolated else ''}; load average {common.load_average()}\n")
+          f"{'; a process per build' if args.isolated else ''}"
+          f"{'; swapped: the same in a process that loads B first' if args.swapped else ''}; "
+          f"load average {common.load_average()}\n")
     print(common.markdown_table(["measure", "order", "A min ms", "B min ms", "B / A", "A median ms",
                                  "B median ms", "B / A (median)"], rows))
     result = {"machine": common.machine_info(), "config": config, "runs": runs}

@@ -44,6 +44,26 @@ def test_isolated_builds_run_in_processes_of_their_own(tmp_path):
             assert r["A"]["min_s"] > 0 and r["B"]["min_s"] > 0 and r["units"] > 0
 
 
+def test_swapped_runs_load_b_first_and_name_rows_for_the_builds(tmp_path):
+    """--swapped: every measure again in a process that loads B first, its rows mapped
+    back so that A is still build A (the libraries each name ran say so)."""
+    lib = package_library()
+    other = tmp_path / "copy" / "libibp.so"  # the same code under another path: a build of its own
+    other.parent.mkdir()
+    other.write_bytes(Path(lib).read_bytes())
+    got = ab.main([lib, str(other), *TINY, "--what", "decode,lookup", "--swapped", "--results-dir", str(tmp_path)])
+    assert set(got["runs"]) == {"decode", "lookup", "decode swapped", "lookup swapped"}
+    for what in ("decode", "lookup"):
+        swapped = got["runs"][f"{what} swapped"]
+        assert [r["order"] for r in swapped] == ["B, A", "A, B"]  # its A, B order is B first
+        for r in swapped:
+            assert r["libs"] == {"A": lib, "B": str(other)}
+            assert r["A"]["min_s"] > 0 and r["B"]["min_s"] > 0
+            assert r["digest"] == got["runs"][what][0]["digest"]
+    with pytest.raises(SystemExit):
+        ab.main([lib, lib, *TINY, "--swapped", "--isolated"])
+
+
 def test_kernel_set_is_chosen_then_given_back(tmp_path):
     lib = package_library()
     before = _native.lib.ibp_isa()
