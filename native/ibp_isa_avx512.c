@@ -66,32 +66,22 @@ static inline __attribute__((always_inline)) __m512i full_step(const plan_step *
     return plan_deposit(ps->direct_ctrl, ps->sel, ps->bitval, shifts, _mm512_permutexvar_epi8(ps->direct_idx, win));
 }
 
-/* Decode the row stored at row[0, len) with plan p (of the table, or NULL) at once
- * when all its words participate and every step of its cluster has a direct form:
- * each step's fields then lie at its planned bit, so the steps need neither the
- * header nor a running position, nor a branch, and the row none of the general
- * decoder's set-up. Such rows: 100% of torchrec-init fp16 d64 rows, 54% fp32 d64,
- * 29% fp32 d128 (56% trained-like, 73% normal(0, 0.01)). Against the step loop for
- * them (in-cache decode, 1 thread, benchmarks.ab, both orders): fp16 d64 0.83x the
- * time, fp32 d64 0.87-0.88x, d128 0.97x (trained-like 0.84x); trained-like W = 32,
- * whose rows do not qualify, 1.02x; rows from memory (a lookup into 101k rows)
- * 0.97-1.04x. Returns 0 (nothing written) for any other row. */
-static inline __attribute__((always_inline)) int decode_full_row(const void *p_v, const uint8_t *row, uint64_t len,
-                                                                 uint8_t *out, step_prefetch *pf)
+/* Whether the header at hdr says that every word participates (cluster view v). */
+static inline __attribute__((always_inline)) int header_full(const plan_view *v, const uint8_t *hdr)
 {
-    const decode_plan *p = p_v;
-    if (!p)
-        return 0;
-    const uint32_t cid = p->clusters > 1, k = cid ? row[0] : 0;
-    if (k >= p->clusters)
-        return 0;
-    const plan_view *v = &p->views[k];
-    if (len != v->full_len) /* 0 where the cluster has no such rows */
-        return 0;
-    const uint8_t *hdr = row + cid;
-    if (_mm512_mask_cmpneq_epu8_mask(v->hdr_mask, _mm512_maskz_loadu_epi8(v->hdr_mask, hdr), _mm512_set1_epi8(-1)))
-        return 0;
-    const uint8_t *bs = hdr + v->hdr_bytes;
+    if (v->hdr_bytes <= 8) { /* a plain load (the payload's tail pad covers it), not a masked one */
+        uint64_t h;
+        memcpy(&h, hdr, 8);
+        return (h | v->hdr_fill) == ~(uint64_t)0;
+    }
+    return !_mm512_mask_cmpneq_epu8_mask(v->hdr_mask, _mm512_loadu_si512((const void *)hdr), _mm512_set1_epi8(-1));
+}
+
+/* The steps of a row decoded whole (see decode_full_rows): bs its bitstream, v its
+ * cluster's view; a line of pf a step. */
+static inline __attribute__((always_inline)) void full_row_steps(const plan_view *v, const uint8_t *bs, uint8_t *out,
+                                                                 step_prefetch *pf)
+{
     const plan_step *ps = v->steps, *const end = ps + v->n_steps; /* locals: the stores may alias v */
     if (v->most_shifts <= 2) /* the number of shifts a constant: no branch per step */
         for (; ps < end; ps++, out += 64) {
@@ -103,6 +93,92 @@ static inline __attribute__((always_inline)) int decode_full_row(const void *p_v
             step_prefetch_line(pf);
             _mm512_storeu_si512((void *)out, full_step(ps, bs, 3));
         }
+}
+
+/* decode_full_rows' loop; `single` (a constant): the plan has one cluster, whose view
+ * is then held in locals (the output stores may alias the plan). */
+static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decode_plan *p, const int single,
+                                                                     const uint8_t *payload, const uint64_t *start,
+                                                                     const uint64_t *len, uint64_t r, uint64_t n,
+                                                                     uint64_t ahead, uint64_t dist,
+                                                                     uint8_t *const *outs)
+{
+    const plan_view v0 = p->views[0];
+    for (; r < n; r++) {
+        const uint8_t *row = payload + start[r];
+        const uint32_t k = single ? 0 : row[0];
+        if (!single && k >= p->clusters)
+            break;
+        const plan_view *v = single ? &v0 : &p->views[k];
+        if (len[r] != v->full_len || !header_full(v, row + !single)) /* full_len 0: no such rows */
+            break;
+        step_prefetch later = {NULL, NULL}; /* the lines of row r + dist (see decode_spans_w) */
+        if (r + dist < ahead) {
+            const uint64_t s = start[r + dist];
+            later = (step_prefetch){payload + (s & ~(uint64_t)63), payload + s + len[r + dist]};
+            step_prefetch_line(&later);
+        }
+        full_row_steps(v, row + !single + v->hdr_bytes, outs[r], &later);
+        while (later.next < later.end) /* the lines its steps left */
+            step_prefetch_line(&later);
+    }
+    return r;
+}
+
+/* Decode rows r, r + 1, ... of the spans (start, len) to outs while all their words
+ * participate and every step of their cluster has a direct form (plan p of the table):
+ * each step's fields then lie at its planned bit, so the steps need neither
+ * the header nor a running position, nor a branch, and the rows none of the general
+ * decoder's set-up. Prefetches as decode_spans_w does, dist rows ahead up to the
+ * span ahead - 1. Returns the first row it did not decode (n: all). Such rows: 100%
+ * of torchrec-init fp16 d64 rows, 54% fp32 d64, 29% fp32 d128 (56% trained-like,
+ * 73% normal(0, 0.01)). Against the step loop for them (in-cache decode, 1 thread,
+ * benchmarks.ab, both orders): fp16 d64 0.83x the time, fp32 d64 0.87-0.88x, d128
+ * 0.97x (trained-like 0.84x); trained-like W = 32, whose rows do not qualify, 1.02x;
+ * rows from memory (a lookup into 101k rows) 0.97-1.04x. This loop of its own, for
+ * tables whose rows are nearly all full (see full_runs), keeps the view in registers
+ * and skips the general row loop's set-up: against decode_full_row row by row, fp16
+ * d64 rows in cache 0.76-0.77x the time with header_full's plain load (which alone
+ * gave 0.93-0.98x), lookups into 101k fp16 d64 rows 0.96-1.01x (1 thread,
+ * benchmarks.ab, both orders and the builds swapped). Run on tables with 29-56%
+ * full rows (fp32 d128), leaving it at every other row took 1.03-1.15x the time. */
+static __attribute__((noinline)) uint64_t decode_full_rows(const void *p_v, const uint8_t *payload,
+                                                           const uint64_t *start, const uint64_t *len, uint64_t r,
+                                                           uint64_t n, uint64_t ahead, uint64_t dist,
+                                                           uint8_t *const *outs)
+{
+    const decode_plan *p = p_v;
+    return p->clusters == 1 ? full_rows_loop(p, 1, payload, start, len, r, n, ahead, dist, outs)
+                            : full_rows_loop(p, 0, payload, start, len, r, n, ahead, dist, outs);
+}
+#define IBP_DECODE_FULL_ROWS(plan, payload, start, len, r, n, ahead, dist, outs)                                    \
+    decode_full_rows((plan), (payload), (start), (len), (r), (n), (ahead), (dist), (outs))
+
+/* Whether decode_spans_w should run decode_full_rows (plan p of the table, or NULL):
+ * where most rows are full (see full_runs in plan_for). */
+static inline int has_full_runs(const void *p_v)
+{
+    const decode_plan *p = p_v;
+    return p && p->full_runs;
+}
+#define IBP_HAS_FULL_RUNS(plan) has_full_runs(plan)
+
+/* decode_full_rows for one row, inlined into the general row loop, for tables where
+ * full rows and others alternate: returns 0 (nothing written) for a row that is not
+ * full. */
+static inline __attribute__((always_inline)) int decode_full_row(const void *p_v, const uint8_t *row, uint64_t len,
+                                                                 uint8_t *out, step_prefetch *pf)
+{
+    const decode_plan *p = p_v;
+    if (!p)
+        return 0;
+    const uint32_t cid = p->clusters > 1, k = cid ? row[0] : 0;
+    if (k >= p->clusters)
+        return 0;
+    const plan_view *v = &p->views[k];
+    if (len != v->full_len || !header_full(v, row + cid)) /* full_len 0: no such rows */
+        return 0;
+    full_row_steps(v, row + cid + v->hdr_bytes, out, pf);
     return 1;
 }
 #define IBP_DECODE_FULL_ROW(plan, row, len, out, pf) decode_full_row((plan), (row), (len), (out), (pf))

@@ -569,6 +569,31 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
                 assert_bits_equal(t.gather(ids), x[ids])
 
 
+@pytest.mark.parametrize("clusters", [1, 4])
+def test_runs_of_full_rows_stop_at_other_rows(clusters):
+    """Where nearly all rows have every word participating (here 97%), the AVX-512
+    decoders take them in a loop of their own (decode_full_rows), which hands a row of
+    another length or cluster, or with a word that does not participate, back to the
+    general decoder and resumes after it. fp16 d64 rows, one exponent per cluster (a
+    cluster per magnitude), an outlier in 3% of the rows; ids in order, in runs and
+    scattered. Every instruction set must decode them bit for bit."""
+    g = torch.Generator().manual_seed(53)
+    n = 3000
+    w = (1 + torch.rand(n, 64, generator=g)) * torch.pow(2.0, 4.0 * (torch.arange(n) % clusters)).unsqueeze(1)
+    odd = torch.rand(n, generator=g) < 0.03
+    w[odd, 5] /= 1024  # another exponent: its word does not participate
+    w = w.half()
+    t = ibp_embed.compress(w, word_bits=64, clusters=clusters)
+    lengths = t.row_lengths()
+    assert not t.is_raw and (t.clusters > 1) == (clusters > 1)
+    assert 0.9 < np.mean(lengths == np.bincount(lengths).argmax()) < 1  # nearly all rows full, not all
+    ids = torch.cat([torch.randint(0, n, (500,), generator=g), torch.arange(1000, 1400),
+                     torch.nonzero(odd).flatten()[:20].repeat_interleave(3)])
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
+
+
 def test_full_row_fast_path_reads_the_header():
     """The AVX-512 decoders take a row whose every word participates straight from the
     plan's direct steps, recognised by its length and its header. A row with a word that
