@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decod
  * d64 rows in cache 0.76-0.77x the time with header_full's plain load (which alone
  * gave 0.93-0.98x), lookups into 101k fp16 d64 rows 0.96-1.01x (1 thread,
  * benchmarks.ab, both orders and the builds swapped). Run on tables with 29-56%
- * full rows (fp32 d128), leaving it at every other row took 1.03-1.15x the time. */
+ * full rows (fp32 d128), leaving it at every other row took 1.01-1.15x the time. */
 static __attribute__((noinline)) uint64_t decode_full_rows(const void *p_v, const uint8_t *payload,
                                                            const uint64_t *start, const uint64_t *len, uint64_t r,
                                                            uint64_t n, uint64_t ahead, uint64_t dist,
