@@ -95,6 +95,20 @@ static inline __attribute__((always_inline)) void full_row_steps(const plan_view
         }
 }
 
+/* The view of the cluster of the row stored at row[0, len) if the row is full (every
+ * word participates and its cluster has full rows), else NULL. `single`: the plan has
+ * one cluster, whose view is v0 (the rows have no cluster byte). */
+static inline __attribute__((always_inline)) const plan_view *full_row_view(const decode_plan *p, const plan_view *v0,
+                                                                            const int single, const uint8_t *row,
+                                                                            uint64_t len)
+{
+    const uint32_t k = single ? 0 : row[0];
+    if (!single && k >= p->clusters)
+        return NULL;
+    const plan_view *v = single ? v0 : &p->views[k];
+    return len == v->full_len && header_full(v, row + !single) ? v : NULL; /* full_len 0: no such rows */
+}
+
 /* decode_full_rows' loop; `single` (a constant): the plan has one cluster, whose view
  * is then held in locals (the output stores may alias the plan). */
 static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decode_plan *p, const int single,
@@ -106,11 +120,8 @@ static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decod
     const plan_view v0 = p->views[0];
     for (; r < n; r++) {
         const uint8_t *row = payload + start[r];
-        const uint32_t k = single ? 0 : row[0];
-        if (!single && k >= p->clusters)
-            break;
-        const plan_view *v = single ? &v0 : &p->views[k];
-        if (len[r] != v->full_len || !header_full(v, row + !single)) /* full_len 0: no such rows */
+        const plan_view *v = full_row_view(p, &v0, single, row, len[r]);
+        if (!v)
             break;
         step_prefetch later = {NULL, NULL}; /* the lines of row r + dist (see decode_spans_w) */
         if (r + dist < ahead) {
@@ -172,13 +183,11 @@ static inline __attribute__((always_inline)) int decode_full_row(const void *p_v
     const decode_plan *p = p_v;
     if (!p)
         return 0;
-    const uint32_t cid = p->clusters > 1, k = cid ? row[0] : 0;
-    if (k >= p->clusters)
+    const int single = p->clusters == 1;
+    const plan_view *v = full_row_view(p, &p->views[0], single, row, len);
+    if (!v)
         return 0;
-    const plan_view *v = &p->views[k];
-    if (len != v->full_len || !header_full(v, row + cid)) /* full_len 0: no such rows */
-        return 0;
-    full_row_steps(v, row + cid + v->hdr_bytes, out, pf);
+    full_row_steps(v, row + !single + v->hdr_bytes, out, pf);
     return 1;
 }
 #define IBP_DECODE_FULL_ROW(plan, row, len, out, pf) decode_full_row((plan), (row), (len), (out), (pf))
