@@ -21,6 +21,7 @@
  */
 #define IBP_ISA avx512
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,20 +44,55 @@ static inline __m512i plan_deposit(const __m512i *ctrl, const __m512i *sel, __m5
     return dep;
 }
 
-/* Step s of a row whose words all participate, with its direct plan (see
- * plan_direct); pos is the step's first bit. */
-static inline __attribute__((always_inline)) __m512i direct_step(const plan_step *s, const uint8_t *bs, uint64_t pos)
+/* What a step reads of its plan, held in registers for a whole row where every step
+ * has the same plan (see steps_uniform), instead of six to ten 64-byte loads a step.
+ * Against the loads (in cache, 1 thread, benchmarks.ab, both orders; a Zen 4 EPYC):
+ * fp32 d128 W = 64 0.78-0.82x the time (trained-like 0.73-0.86x), W = 32 0.83-0.84x
+ * (0.82-0.90x), fp16 d64 W = 64 0.90x, W = 32 0.92-0.93x; rows whose words all
+ * participate (decode_full_rows) fp32 d128 0.65-0.70x; decode from memory and
+ * single-table lookups within noise. Locals of the step loops, not a struct: GCC
+ * kept a struct of them on the stack. `uniform` a constant; ps the first step's plan. */
+static const plan_step zero_step; /* what UNIFORM_STEP_REGS reads where not uniform (unused) */
+#define UNIFORM_STEP_REGS(ps)                                                                                    \
+    const plan_step *const u_ = uniform ? (ps) : &zero_step;                                                       \
+    const step_layout ul = u_->layout;                                                                             \
+    const __m512i u_direct_idx = u_->direct_idx, u_bitval = u_->bitval, u_excl = u_->excl;                        \
+    const __m512i u_late_below = u_->late_below[0];                                                                \
+    const __m512i u_direct_ctrl[PLAN_MAX_SHIFTS] = {u_->direct_ctrl[0], u_->direct_ctrl[1], u_->direct_ctrl[2]};  \
+    const __m512i u_ctrl[PLAN_MAX_SHIFTS] = {u_->ctrl[0], u_->ctrl[1], u_->ctrl[2]};                              \
+    const __m512i u_sel[PLAN_MAX_SHIFTS] = {u_->sel[0], u_->sel[1], u_->sel[2]}
+
+/* The direct step (see plan_direct) of a row whose words all participate: idx, ctrl,
+ * sel and bitval its plan, `fixed` its first bit when every earlier word participates,
+ * pos its first bit. */
+static inline __attribute__((always_inline)) __m512i direct_step_of(__m512i idx, const __m512i *ctrl,
+                                                                    const __m512i *sel, __m512i bitval,
+                                                                    uint32_t shifts, uint32_t fixed,
+                                                                    const uint8_t *bs, uint64_t pos)
 {
-    const uint64_t from = pos - (s->layout.fixed & 7); /* the planned window's first bit (pos >= fixed) */
+    const uint64_t from = pos - (fixed & 7); /* the planned window's first bit (pos >= fixed) */
     const uint8_t *q = bs + (from >> 3);
     __m512i win = _mm512_loadu_si512((const void *)q);
     if (from & 7) /* not when pos == fixed: always shifting cost float16 d64 rows 5-9%; one
                    * VPSHRDVQ, not two shifts and an OR: 0.94-1.02x the time (W = 64 fp32 d128) */
         win = _mm512_shrdv_epi64(win, _mm512_loadu_si512((const void *)(q + 8)),
                                  _mm512_set1_epi64((long long)(from & 7)));
-    const __m512i field = _mm512_permutexvar_epi8(s->direct_idx, win);
-    return plan_deposit(s->direct_ctrl, s->sel, s->bitval, s->layout.shifts, field);
+    return plan_deposit(ctrl, sel, bitval, shifts, _mm512_permutexvar_epi8(idx, win));
 }
+
+/* direct_step_of step s of a plan. */
+static inline __attribute__((always_inline)) __m512i direct_step(const plan_step *s, const uint8_t *bs, uint64_t pos)
+{
+    return direct_step_of(s->direct_idx, s->direct_ctrl, s->sel, s->bitval, s->layout.shifts, s->layout.fixed, bs, pos);
+}
+
+/* The W = 64 and W = 32 step loops below read a step's plan through STEP and
+ * DIRECT_STEP: from UNIFORM_STEP_REGS's registers where `uniform` (a constant), else
+ * from the step's plan ps. */
+#define STEP(f) (uniform ? u_##f : ps->f)
+#define DIRECT_STEP()                                                                                              \
+    (uniform ? direct_step_of(u_direct_idx, u_direct_ctrl, u_sel, u_bitval, ul.shifts, 0, bs, pos)               \
+             : direct_step(ps, bs, pos))
 
 /* Step ps of a row decoded by decode_full_row, with `shifts` (a constant) shifts. */
 static inline __attribute__((always_inline)) __m512i full_step(const plan_step *ps, const uint8_t *bs,
@@ -77,12 +113,36 @@ static inline __attribute__((always_inline)) int header_full(const plan_view *v,
     return !_mm512_mask_cmpneq_epu8_mask(v->hdr_mask, _mm512_loadu_si512((const void *)hdr), _mm512_set1_epi8(-1));
 }
 
+/* full_row_steps for a uniform plan (see steps_uniform): step s's plan in registers,
+ * its window the previous one's plus the step's bytes. */
+static inline __attribute__((always_inline)) void uniform_full_steps(const plan_step *s, uint32_t n, const uint8_t *bs,
+                                                                     uint8_t *out, step_prefetch *pf,
+                                                                     const uint32_t shifts)
+{
+    const __m512i idx = s->direct_idx, bitval = s->bitval;
+    const __m512i ctrl[PLAN_MAX_SHIFTS] = {s->direct_ctrl[0], s->direct_ctrl[1], s->direct_ctrl[2]};
+    const __m512i sel[PLAN_MAX_SHIFTS] = {s->sel[0], s->sel[1], s->sel[2]};
+    const uint32_t stride = s->layout.total / 8;
+    for (uint32_t st = 0; st < n; st++, bs += stride, out += 64) {
+        step_prefetch_line(pf);
+        const __m512i field = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)bs));
+        _mm512_storeu_si512((void *)out, plan_deposit(ctrl, sel, bitval, shifts, field));
+    }
+}
+
 /* The steps of a row decoded whole (see decode_full_rows): bs its bitstream, v its
  * cluster's view; a line of pf a step. */
 static inline __attribute__((always_inline)) void full_row_steps(const plan_view *v, const uint8_t *bs, uint8_t *out,
                                                                  step_prefetch *pf)
 {
     const plan_step *ps = v->steps, *const end = ps + v->n_steps; /* locals: the stores may alias v */
+    if (v->uniform) {
+        if (v->most_shifts <= 2)
+            uniform_full_steps(ps, v->n_steps, bs, out, pf, 2);
+        else
+            uniform_full_steps(ps, v->n_steps, bs, out, pf, 3);
+        return;
+    }
     if (v->most_shifts <= 2) /* the number of shifts a constant: no branch per step */
         for (; ps < end; ps++, out += 64) {
             step_prefetch_line(pf);
@@ -220,32 +280,35 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
 static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v, const int planned, step_prefetch *pf)
+                                             const void *plan_v, const int planned, const int uniform,
+                                             step_prefetch *pf)
 {
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w64 = _mm512_set1_epi64(64);
     const __m512i ones = _mm512_set1_epi64(-1);
     const __m512i one = _mm512_set1_epi64(1);
-    const plan_step *ps = planned ? plan->steps : NULL; /* step j / 8's */
+    const plan_step *ps = planned ? plan->steps : NULL; /* step j / 8's (uniform: every step's) */
+    UNIFORM_STEP_REGS(ps);
     uint64_t pos = *pos_io;
     uint32_t j = 0;
-    for (; j + 8 <= full; j += 8, ps += planned) {
+    for (; j + 8 <= full; j += 8, ps += planned && !uniform) {
         step_prefetch_line(pf); /* a later row's line (see decode_spans_w) */
         __mmask8 part = hdr[j / 8];
         __m512i excl, n = w64; /* each field's offset from the step's first bit; its length (read
                                 * only by the unplanned deposit) */
         uint64_t step_bits;
-        const step_layout *lay = planned ? &ps->layout : NULL;
+        const step_layout *lay = uniform ? &ul : planned ? &ps->layout : NULL;
         if (planned && part == lay->direct_part) { /* every word participates */
-            _mm512_storeu_si512((void *)(out + (size_t)j * 8), direct_step(ps, bs, pos));
+            _mm512_storeu_si512((void *)(out + (size_t)j * 8), DIRECT_STEP());
             pos += lay->total;
             continue;
         }
         if (lay && lay->extra) { /* the planned layout, corrected for non-participating lanes */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
-            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8), ps->late_below[0]);
-            excl = _mm512_add_epi64(ps->excl, _mm512_mullo_epi16(_mm512_popcnt_epi64(below), /* as at W = 32 */
-                                                                 _mm512_set1_epi32((int)lay->extra_x2)));
+            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8),
+                                                      uniform ? u_late_below : ps->late_below[0]);
+            excl = _mm512_add_epi64(STEP(excl), _mm512_mullo_epi16(_mm512_popcnt_epi64(below), /* as at W = 32 */
+                                                                   _mm512_set1_epi32((int)lay->extra_x2)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
             __m512i vb = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)(vbits + j)));
@@ -267,7 +330,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
                                            _mm512_permutex2var_epi64(lo, _mm512_add_epi64(q, one), hi),
                                            at); /* bits at % 64.. of words q + 1 : q */
         if (plan) { /* planned deposit (see plan_cluster); non-participating lanes keep the raw word */
-            __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
+            __m512i dep = plan_deposit(STEP(ctrl), STEP(sel), STEP(bitval), lay->shifts, field);
             field = _mm512_mask_mov_epi64(field, part, dep);
             _mm512_storeu_si512((void *)(out + (size_t)j * 8), field);
             pos += step_bits;
@@ -298,7 +361,7 @@ static __attribute__((noinline)) uint32_t decode_words64_unplanned(const uint8_t
                                                                    const uint64_t *mask, const uint64_t *bitval,
                                                                    const uint8_t *vbits, uint32_t full, uint8_t *out)
 {
-    return decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, NULL, 0, NULL);
+    return decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, NULL, 0, 0, NULL);
 }
 
 static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
@@ -306,8 +369,11 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
                                              const void *plan_v, step_prefetch *pf)
 {
-    return plan_v ? decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, pf)
-                  : decode_words64_unplanned(hdr, bs, pos_io, mask, bitval, vbits, full, out);
+    const plan_view *plan = plan_v;
+    if (!plan)
+        return decode_words64_unplanned(hdr, bs, pos_io, mask, bitval, vbits, full, out);
+    return plan->uniform ? decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, 1, pf)
+                         : decode_words64_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, 0, pf);
 }
 
 /* Decode words [0, 16 * floor(full / 16)) of a W = 32 row; returns how many. The W = 64
@@ -317,36 +383,39 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_avx512(cons
 static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
                                              const uint64_t *mask, const uint64_t *bitval,
                                              const uint8_t *vbits, uint32_t full, uint8_t *out,
-                                             const void *plan_v, const int planned, const int direct)
+                                             const void *plan_v, const int planned, const int direct,
+                                             const int uniform)
 {
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w32 = _mm512_set1_epi32(32);
     const __m512i ones = _mm512_set1_epi32(-1);
     const __m512i one = _mm512_set1_epi32(1);
     const __m512i zero = _mm512_setzero_si512();
-    const plan_step *ps = planned ? plan->steps : NULL; /* step j / 16's */
+    const plan_step *ps = planned ? plan->steps : NULL; /* step j / 16's (uniform: every step's) */
+    UNIFORM_STEP_REGS(ps);
     uint64_t pos = *pos_io;
     uint32_t j = 0;
-    for (; j + 16 <= full; j += 16, ps += planned) {
+    for (; j + 16 <= full; j += 16, ps += planned && !uniform) {
         uint16_t bits;
         memcpy(&bits, hdr + j / 8, 2);
         __mmask16 part = (__mmask16)bits;
         __m512i excl, n = w32;
         uint64_t step_bits;
-        const step_layout *lay = planned ? &ps->layout : NULL;
+        const step_layout *lay = uniform ? &ul : planned ? &ps->layout : NULL;
         if (direct && part == lay->direct_part) { /* as in decode_words64_avx512 */
-            _mm512_storeu_si512((void *)(out + (size_t)j * 4), direct_step(ps, bs, pos));
+            _mm512_storeu_si512((void *)(out + (size_t)j * 4), DIRECT_STEP());
             pos += lay->total;
             continue;
         }
         if (lay && lay->extra) { /* as in decode_words64_avx512 */
             const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
-            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8), ps->late_below[0]);
+            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8),
+                                                      uniform ? u_late_below : ps->late_below[0]);
             /* a 16-bit multiply (the products, at most 15 * 32, fit): VPMULLD is 2 uops and 10
              * cycles on Intel cores (instruction tables); fp32 d128 W = 32 rows 0.87-0.99x the
              * time on a Xeon (medians 0.95-1.02x) */
-            excl = _mm512_add_epi32(ps->excl, _mm512_mullo_epi16(_mm512_popcnt_epi32(below),
-                                                                 _mm512_set1_epi32((int)lay->extra_x2)));
+            excl = _mm512_add_epi32(STEP(excl), _mm512_mullo_epi16(_mm512_popcnt_epi32(below),
+                                                                   _mm512_set1_epi32((int)lay->extra_x2)));
             step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
         } else {
             __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(vbits + j)));
@@ -366,7 +435,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
         __m512i field = _mm512_shrdv_epi32(_mm512_permutex2var_epi32(lo, q, hi),
                                            _mm512_permutex2var_epi32(lo, _mm512_add_epi32(q, one), hi), at);
         if (plan) { /* as in decode_words64_avx512 */
-            __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
+            __m512i dep = plan_deposit(STEP(ctrl), STEP(sel), STEP(bitval), lay->shifts, field);
             field = _mm512_mask_mov_epi32(field, part, dep);
             _mm512_storeu_si512((void *)(out + (size_t)j * 4), field);
             pos += step_bits;
@@ -395,6 +464,10 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
     *pos_io = pos;
     return j;
 }
+
+#undef STEP
+#undef DIRECT_STEP
+#undef UNIFORM_STEP_REGS
 
 /* 8 64-bit words narrowed to 8 16-bit lanes */
 static inline __m128i narrow16(const uint64_t *p)
@@ -531,39 +604,59 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     return j;
 }
 
-/* The W = 32 and W = 16 loops above, each compiled three times: with the direct branch
- * (a call per row), without it (see mostly_full_rows), and for the rare rows without a
- * plan (a call per row). One loop testing the plan's flag decoded the tables without
+/* The W = 32 and W = 16 loops above, compiled apart: with the direct branch (a call per
+ * row), without it (see mostly_full_rows), and for the rare rows without a plan (a
+ * call per row); at W = 32 the first two again for uniform plans (see steps_uniform:
+ * fp32 d128 rows 0.84-0.90x the time, fp16 d64 0.90x; at W = 16 0.99-1.04x, so not
+ * there). One loop testing the plan's flag decoded the tables without
  * direct steps 3-6% slower (fp32 d128, torchrec init and trained-like, W = 16 and 32),
  * and both loops inlined into the row decoder made fp32 W = 64 lookups 1-11% slower in
  * 5 of 6 runs (the quick Zipf set). With the plan a constant and the steps walked by
  * pointer, as at W = 64: 0.89-0.94x the time in cache (fp32 d128 torchrec init and
  * trained-like, fp16 d64; benchmarks.ab, both orders). */
-#define DECODE_WORDS_ENTRY(W)                                                                                     \
-    static __attribute__((noinline)) uint32_t decode_words##W##_direct(                                            \
+#define DECODE_WORDS_ARGS hdr, bs, pos_io, mask, bitval, vbits, full, out
+#define DECODE_WORDS_LOOP(W, name, ...) /* ...: the loop's constants after plan_v */                            \
+    static __attribute__((noinline)) uint32_t decode_words##W##_##name(                                            \
         const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
         const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v)                                     \
     {                                                                                                              \
-        return decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, 1);             \
-    }                                                                                                              \
-    static __attribute__((noinline)) uint32_t decode_words##W##_unplanned(                                         \
-        const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
-        const uint8_t *vbits, uint32_t full, uint8_t *out)                                                         \
-    {                                                                                                              \
-        return decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, NULL, 0, 0);               \
-    }                                                                                                              \
-    static inline __attribute__((always_inline)) uint32_t decode_words##W##_avx512(                                \
-        const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
-        const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v)                                     \
-    {                                                                                                              \
-        const plan_view *plan = plan_v;                                                                            \
-        if (!plan)                                                                                                 \
-            return decode_words##W##_unplanned(hdr, bs, pos_io, mask, bitval, vbits, full, out);                   \
-        return plan->direct ? decode_words##W##_direct(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v)    \
-                            : decode_words##W##_steps(hdr, bs, pos_io, mask, bitval, vbits, full, out, plan_v, 1, 0); \
+        return decode_words##W##_steps(DECODE_WORDS_ARGS, plan_v, __VA_ARGS__);                                    \
     }
-DECODE_WORDS_ENTRY(32)
-DECODE_WORDS_ENTRY(16)
+DECODE_WORDS_LOOP(32, direct, 1, 1, 0)
+DECODE_WORDS_LOOP(32, direct_uniform, 1, 1, 1)
+DECODE_WORDS_LOOP(32, unplanned, 0, 0, 0)
+DECODE_WORDS_LOOP(16, direct, 1, 1)
+DECODE_WORDS_LOOP(16, unplanned, 0, 0)
+#undef DECODE_WORDS_LOOP
+static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(const uint8_t *hdr, const uint8_t *bs,
+                                                                            uint64_t *pos_io, const uint64_t *mask,
+                                                                            const uint64_t *bitval, const uint8_t *vbits,
+                                                                            uint32_t full, uint8_t *out,
+                                                                            const void *plan_v)
+{
+    const plan_view *plan = plan_v;
+    if (!plan)
+        return decode_words32_unplanned(DECODE_WORDS_ARGS, NULL);
+    if (plan->direct)
+        return plan->uniform ? decode_words32_direct_uniform(DECODE_WORDS_ARGS, plan_v)
+                             : decode_words32_direct(DECODE_WORDS_ARGS, plan_v);
+    return plan->uniform ? decode_words32_steps(DECODE_WORDS_ARGS, plan_v, 1, 0, 1)
+                         : decode_words32_steps(DECODE_WORDS_ARGS, plan_v, 1, 0, 0);
+}
+
+static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(const uint8_t *hdr, const uint8_t *bs,
+                                                                            uint64_t *pos_io, const uint64_t *mask,
+                                                                            const uint64_t *bitval, const uint8_t *vbits,
+                                                                            uint32_t full, uint8_t *out,
+                                                                            const void *plan_v)
+{
+    const plan_view *plan = plan_v;
+    if (!plan)
+        return decode_words16_unplanned(DECODE_WORDS_ARGS, NULL);
+    return plan->direct ? decode_words16_direct(DECODE_WORDS_ARGS, plan_v)
+                        : decode_words16_steps(DECODE_WORDS_ARGS, plan_v, 1, 0);
+}
+#undef DECODE_WORDS_ARGS
 
 #define IBP_DECODE_WORDS64_SIMD decode_words64_avx512
 #define IBP_STEP_PREFETCH 1 /* the W = 64 decoders prefetch a line a step */
