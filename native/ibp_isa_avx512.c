@@ -52,7 +52,7 @@ static inline __m512i plan_deposit(const __m512i *ctrl, const __m512i *sel, __m5
  * participate (decode_full_rows) fp32 d128 0.65-0.70x; decode from memory and
  * single-table lookups within noise. Locals of the step loops, not a struct: GCC
  * kept a struct of them on the stack. `uniform` a constant; ps the first step's plan. */
-static const plan_step zero_step; /* what UNIFORM_STEP_REGS reads where not uniform (unused) */
+static const plan_step zero_step; /* what the uniform registers are read from where not uniform (unused) */
 #define UNIFORM_STEP_REGS(ps)                                                                                    \
     const plan_step *const u_ = uniform ? (ps) : &zero_step;                                                       \
     const step_layout ul = u_->layout;                                                                             \
@@ -113,21 +113,30 @@ static inline __attribute__((always_inline)) int header_full(const plan_view *v,
     return !_mm512_mask_cmpneq_epu8_mask(v->hdr_mask, _mm512_loadu_si512((const void *)hdr), _mm512_set1_epi8(-1));
 }
 
-/* full_row_steps for a uniform plan (see steps_uniform): step s's plan in registers,
- * its window the previous one's plus the step's bytes. */
-static inline __attribute__((always_inline)) void uniform_full_steps(const plan_step *s, uint32_t n, const uint8_t *bs,
+/* The n direct steps of a row decoded whole under a uniform plan (see steps_uniform):
+ * idx, ctrl, sel and bitval every step's plan, each step's window the previous one's
+ * plus `stride` bytes. */
+static inline __attribute__((always_inline)) void uniform_full_steps(__m512i idx, const __m512i *ctrl,
+                                                                     const __m512i *sel, __m512i bitval,
+                                                                     uint32_t stride, uint32_t n, const uint8_t *bs,
                                                                      uint8_t *out, step_prefetch *pf,
                                                                      const uint32_t shifts)
 {
-    const __m512i idx = s->direct_idx, bitval = s->bitval;
-    const __m512i ctrl[PLAN_MAX_SHIFTS] = {s->direct_ctrl[0], s->direct_ctrl[1], s->direct_ctrl[2]};
-    const __m512i sel[PLAN_MAX_SHIFTS] = {s->sel[0], s->sel[1], s->sel[2]};
-    const uint32_t stride = s->layout.total / 8;
     for (uint32_t st = 0; st < n; st++, bs += stride, out += 64) {
         step_prefetch_line(pf);
         const __m512i field = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)bs));
         _mm512_storeu_si512((void *)out, plan_deposit(ctrl, sel, bitval, shifts, field));
     }
+}
+
+/* uniform_full_steps with the plan of step s. */
+static inline __attribute__((always_inline)) void uniform_full_steps_of(const plan_step *s, uint32_t n,
+                                                                        const uint8_t *bs, uint8_t *out,
+                                                                        step_prefetch *pf, const uint32_t shifts)
+{
+    const __m512i ctrl[PLAN_MAX_SHIFTS] = {s->direct_ctrl[0], s->direct_ctrl[1], s->direct_ctrl[2]};
+    const __m512i sel[PLAN_MAX_SHIFTS] = {s->sel[0], s->sel[1], s->sel[2]};
+    uniform_full_steps(s->direct_idx, ctrl, sel, s->bitval, s->layout.total / 8, n, bs, out, pf, shifts);
 }
 
 /* The steps of a row decoded whole (see decode_full_rows): bs its bitstream, v its
@@ -138,9 +147,9 @@ static inline __attribute__((always_inline)) void full_row_steps(const plan_view
     const plan_step *ps = v->steps, *const end = ps + v->n_steps; /* locals: the stores may alias v */
     if (v->uniform) {
         if (v->most_shifts <= 2)
-            uniform_full_steps(ps, v->n_steps, bs, out, pf, 2);
+            uniform_full_steps_of(ps, v->n_steps, bs, out, pf, 2);
         else
-            uniform_full_steps(ps, v->n_steps, bs, out, pf, 3);
+            uniform_full_steps_of(ps, v->n_steps, bs, out, pf, 3);
         return;
     }
     if (v->most_shifts <= 2) /* the number of shifts a constant: no branch per step */
@@ -170,14 +179,25 @@ static inline __attribute__((always_inline)) const plan_view *full_row_view(cons
 }
 
 /* decode_full_rows' loop; `single` (a constant): the plan has one cluster, whose view
- * is then held in locals (the output stores may alias the plan). */
+ * is then held in locals (the output stores may alias the plan); `uniform` (a
+ * constant, with single): its plan is uniform, with `shifts` shifts, and held in
+ * registers for the whole run. Against loading it row by row (fp16 d64 rows are two
+ * steps; Zen 4, benchmarks.ab, both orders and the builds swapped): fp16 d64 rows in
+ * cache 0.77-0.82x the time, d384 0.94-1.02x; lookups into 101k fp16 d64 rows
+ * 0.94-0.95x (Zipf ids), 0.93-1.01x (uniform). */
 static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decode_plan *p, const int single,
+                                                                     const int uniform, const uint32_t shifts,
                                                                      const uint8_t *payload, const uint64_t *start,
                                                                      const uint64_t *len, uint64_t r, uint64_t n,
                                                                      uint64_t ahead, uint64_t dist,
                                                                      uint8_t *const *outs)
 {
     const plan_view v0 = p->views[0];
+    const plan_step *const u = uniform ? v0.steps : &zero_step;
+    const __m512i u_idx = u->direct_idx, u_bitval = u->bitval;
+    const __m512i u_ctrl[PLAN_MAX_SHIFTS] = {u->direct_ctrl[0], u->direct_ctrl[1], u->direct_ctrl[2]};
+    const __m512i u_sel[PLAN_MAX_SHIFTS] = {u->sel[0], u->sel[1], u->sel[2]};
+    const uint32_t u_stride = u->layout.total / 8;
     for (; r < n; r++) {
         const uint8_t *row = payload + start[r];
         const plan_view *v = full_row_view(p, &v0, single, row, len[r]);
@@ -189,7 +209,11 @@ static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decod
             later = (step_prefetch){payload + (s & ~(uint64_t)63), payload + s + len[r + dist]};
             step_prefetch_line(&later);
         }
-        full_row_steps(v, row + !single + v->hdr_bytes, outs[r], &later);
+        if (uniform)
+            uniform_full_steps(u_idx, u_ctrl, u_sel, u_bitval, u_stride, v0.n_steps, row + v0.hdr_bytes, outs[r],
+                               &later, shifts);
+        else
+            full_row_steps(v, row + !single + v->hdr_bytes, outs[r], &later);
         while (later.next < later.end) /* the lines its steps left */
             step_prefetch_line(&later);
     }
@@ -219,8 +243,11 @@ static __attribute__((noinline)) uint64_t decode_full_rows(const void *p_v, cons
                                                            uint8_t *const *outs)
 {
     const decode_plan *p = p_v;
-    return p->clusters == 1 ? full_rows_loop(p, 1, payload, start, len, r, n, ahead, dist, outs)
-                            : full_rows_loop(p, 0, payload, start, len, r, n, ahead, dist, outs);
+    if (p->clusters == 1 && p->views[0].uniform)
+        return p->views[0].most_shifts <= 2 ? full_rows_loop(p, 1, 1, 2, payload, start, len, r, n, ahead, dist, outs)
+                                            : full_rows_loop(p, 1, 1, 3, payload, start, len, r, n, ahead, dist, outs);
+    return p->clusters == 1 ? full_rows_loop(p, 1, 0, 0, payload, start, len, r, n, ahead, dist, outs)
+                            : full_rows_loop(p, 0, 0, 0, payload, start, len, r, n, ahead, dist, outs);
 }
 #define IBP_DECODE_FULL_ROWS(plan, payload, start, len, r, n, ahead, dist, outs)                                    \
     decode_full_rows((plan), (payload), (start), (len), (r), (n), (ahead), (dist), (outs))
