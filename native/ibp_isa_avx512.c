@@ -48,11 +48,11 @@ static inline __m512i plan_deposit(const __m512i *ctrl, const __m512i *sel, __m5
  * has the same plan (see steps_uniform), instead of six to ten 64-byte loads a step.
  * Against the loads (in cache, 1 thread, benchmarks.ab, both orders; a Zen 4 EPYC):
  * fp32 d128 W = 64 0.78-0.82x the time (trained-like 0.73-0.86x), W = 32 0.83-0.84x
- * (0.82-0.90x), fp16 d64 W = 64 0.90x, W = 32 0.92-0.93x; rows whose words all
- * participate (decode_full_rows) fp32 d128 0.65-0.70x; decode from memory and
- * single-table lookups within noise. Locals of the step loops, not a struct: GCC
+ * (0.82-0.90x), fp16 d64 W = 64 0.90x, W = 32 0.92-0.93x; decode from memory and
+ * single-table lookups within noise; fp32 d128 rows whose words all participate
+ * (decode_full_row; an ad-hoc timing of 1,000 of them) 0.65-0.70x. Locals of the step loops, not a struct: GCC
  * kept a struct of them on the stack. `uniform` a constant; ps the first step's plan. */
-static const plan_step zero_step; /* what the uniform registers are read from where not uniform (unused) */
+static const plan_step zero_step; /* what UNIFORM_STEP_REGS reads where not uniform (unused) */
 #define UNIFORM_STEP_REGS(ps)                                                                                    \
     const plan_step *const u_ = uniform ? (ps) : &zero_step;                                                       \
     const step_layout ul = u_->layout;                                                                             \
@@ -193,11 +193,8 @@ static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decod
                                                                      uint8_t *const *outs)
 {
     const plan_view v0 = p->views[0];
-    const plan_step *const u = uniform ? v0.steps : &zero_step;
-    const __m512i u_idx = u->direct_idx, u_bitval = u->bitval;
-    const __m512i u_ctrl[PLAN_MAX_SHIFTS] = {u->direct_ctrl[0], u->direct_ctrl[1], u->direct_ctrl[2]};
-    const __m512i u_sel[PLAN_MAX_SHIFTS] = {u->sel[0], u->sel[1], u->sel[2]};
-    const uint32_t u_stride = u->layout.total / 8;
+    UNIFORM_STEP_REGS(v0.steps);
+    (void)u_excl, (void)u_late_below, (void)u_ctrl; /* the general steps' */
     for (; r < n; r++) {
         const uint8_t *row = payload + start[r];
         const plan_view *v = full_row_view(p, &v0, single, row, len[r]);
@@ -210,8 +207,8 @@ static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decod
             step_prefetch_line(&later);
         }
         if (uniform)
-            uniform_full_steps(u_idx, u_ctrl, u_sel, u_bitval, u_stride, v0.n_steps, row + v0.hdr_bytes, outs[r],
-                               &later, shifts);
+            uniform_full_steps(u_direct_idx, u_direct_ctrl, u_sel, u_bitval, ul.total / 8, v0.n_steps,
+                               row + v0.hdr_bytes, outs[r], &later, shifts);
         else
             full_row_steps(v, row + !single + v->hdr_bytes, outs[r], &later);
         while (later.next < later.end) /* the lines its steps left */
@@ -634,18 +631,19 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
 /* The W = 32 and W = 16 loops above, compiled apart: with the direct branch (a call per
  * row), without it (see mostly_full_rows), and for the rare rows without a plan (a
  * call per row); at W = 32 the first two again for uniform plans (see steps_uniform:
- * fp32 d128 rows 0.84-0.90x the time, fp16 d64 0.90x; at W = 16 0.99-1.04x, so not
+ * fp32 d128 rows 0.84-0.90x the time, fp16 d64 0.90x; at W = 16 1.01-1.04x, so not
  * there). One loop testing the plan's flag decoded the tables without
  * direct steps 3-6% slower (fp32 d128, torchrec init and trained-like, W = 16 and 32),
  * and both loops inlined into the row decoder made fp32 W = 64 lookups 1-11% slower in
  * 5 of 6 runs (the quick Zipf set). With the plan a constant and the steps walked by
  * pointer, as at W = 64: 0.89-0.94x the time in cache (fp32 d128 torchrec init and
  * trained-like, fp16 d64; benchmarks.ab, both orders). */
+#define DECODE_WORDS_PARAMS                                                                                        \
+    const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,          \
+        const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v
 #define DECODE_WORDS_ARGS hdr, bs, pos_io, mask, bitval, vbits, full, out
 #define DECODE_WORDS_LOOP(W, name, ...) /* ...: the loop's constants after plan_v */                            \
-    static __attribute__((noinline)) uint32_t decode_words##W##_##name(                                            \
-        const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io, const uint64_t *mask, const uint64_t *bitval,      \
-        const uint8_t *vbits, uint32_t full, uint8_t *out, const void *plan_v)                                     \
+    static __attribute__((noinline)) uint32_t decode_words##W##_##name(DECODE_WORDS_PARAMS)                        \
     {                                                                                                              \
         return decode_words##W##_steps(DECODE_WORDS_ARGS, plan_v, __VA_ARGS__);                                    \
     }
@@ -655,11 +653,8 @@ DECODE_WORDS_LOOP(32, unplanned, 0, 0, 0)
 DECODE_WORDS_LOOP(16, direct, 1, 1)
 DECODE_WORDS_LOOP(16, unplanned, 0, 0)
 #undef DECODE_WORDS_LOOP
-static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(const uint8_t *hdr, const uint8_t *bs,
-                                                                            uint64_t *pos_io, const uint64_t *mask,
-                                                                            const uint64_t *bitval, const uint8_t *vbits,
-                                                                            uint32_t full, uint8_t *out,
-                                                                            const void *plan_v)
+
+static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(DECODE_WORDS_PARAMS)
 {
     const plan_view *plan = plan_v;
     if (!plan)
@@ -671,11 +666,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_avx512(cons
                          : decode_words32_steps(DECODE_WORDS_ARGS, plan_v, 1, 0, 0);
 }
 
-static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(const uint8_t *hdr, const uint8_t *bs,
-                                                                            uint64_t *pos_io, const uint64_t *mask,
-                                                                            const uint64_t *bitval, const uint8_t *vbits,
-                                                                            uint32_t full, uint8_t *out,
-                                                                            const void *plan_v)
+static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(DECODE_WORDS_PARAMS)
 {
     const plan_view *plan = plan_v;
     if (!plan)
@@ -684,6 +675,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(cons
                         : decode_words16_steps(DECODE_WORDS_ARGS, plan_v, 1, 0);
 }
 #undef DECODE_WORDS_ARGS
+#undef DECODE_WORDS_PARAMS
 
 #define IBP_DECODE_WORDS64_SIMD decode_words64_avx512
 #define IBP_STEP_PREFETCH 1 /* the W = 64 decoders prefetch a line a step */
