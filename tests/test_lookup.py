@@ -254,14 +254,14 @@ def test_lookup_small_table_decoded_whole(threads):
 @pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 512, 40000, 2000, 1.05), (12000, 256, 16000, 800, None),
                                                       (12000, 128, 16000, 800, None), (1_100_000, 4, 4096, 200, 1.2),
                                                       (200_000, 24, 8192, 300, None)],
-                         ids=["bitmap", "bitmap-mostly-once", "bitmap-spread", "hash", "direct"])
+                         ids=["bitmap", "bitmap-mostly-once", "bitmap-uniform", "hash", "direct"])
 def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, alpha):
     """A large call into a table with more rows than the per-thread cache has slots
     (2048 of the 2 KB rows) takes the exact deduplication path: with a bitmap of the
     table's rows where it has few rows per id (the rows named more than once decoded
-    once into a scratch; where rows are 1 KB or longer, or float32 rows of 512 bytes
-    whose ids are half distinct, those named once where they are pooled, up to 256 a
-    window of ids: the uniform ids into 12k rows fill that),
+    once into a scratch; where rows are 1 KB or longer, those named once where they
+    are pooled, up to 256 a window of ids: the uniform ids into 12k rows fill that;
+    shorter rows, every distinct row to the scratch, even from mostly distinct ids),
     a hash table of the ids where it has many (over 256: the 1.1M-row table; every
     distinct row to the scratch); uniform ids, mostly distinct, are decoded one by
     one in windows instead. Its sums must be the cached path's, bit for bit, with
