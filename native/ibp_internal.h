@@ -124,13 +124,17 @@ static inline void ibp_row_spans(const ibp_table *t, const int64_t *ids, uint64_
  * prefetches a line a step (see decode_spans_w in ibp_rowcodec.inc). */
 typedef struct step_prefetch {
     const uint8_t *next, *end;
+    int l2; /* into L2 only (a constant where the decoders are inlined; see decode_spans_cold_w) */
 } step_prefetch;
 
 /* Prefetch the next line of pf (may be NULL), if any is left. */
 static inline void step_prefetch_line(step_prefetch *pf)
 {
     if (pf && pf->next < pf->end) {
-        __builtin_prefetch(pf->next);
+        if (pf->l2)
+            __builtin_prefetch(pf->next, 0, 1);
+        else
+            __builtin_prefetch(pf->next);
         pf->next += 64;
     }
 }

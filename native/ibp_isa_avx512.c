@@ -200,10 +200,10 @@ static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decod
         const plan_view *v = full_row_view(p, &v0, single, row, len[r]);
         if (!v)
             break;
-        step_prefetch later = {NULL, NULL}; /* the lines of row r + dist (see decode_spans_w) */
+        step_prefetch later = {NULL, NULL, 0}; /* the lines of row r + dist (see decode_spans_w) */
         if (r + dist < ahead) {
             const uint64_t s = start[r + dist];
-            later = (step_prefetch){payload + (s & ~(uint64_t)63), payload + s + len[r + dist]};
+            later = (step_prefetch){payload + (s & ~(uint64_t)63), payload + s + len[r + dist], 0};
             step_prefetch_line(&later);
         }
         if (uniform)
