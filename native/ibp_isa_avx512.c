@@ -50,8 +50,9 @@ static inline __m512i plan_deposit(const __m512i *ctrl, const __m512i *sel, __m5
  * fp32 d128 W = 64 0.78-0.82x the time (trained-like 0.73-0.86x), W = 32 0.83-0.84x
  * (0.82-0.90x), fp16 d64 W = 64 0.90x, W = 32 0.92-0.93x; decode from memory and
  * single-table lookups within noise; fp32 d128 rows whose words all participate
- * (decode_full_row; an ad-hoc timing of 1,000 of them) 0.65-0.70x. Locals of the step loops, not a struct: GCC
- * kept a struct of them on the stack. `uniform` a constant; ps the first step's plan. */
+ * (decode_full_row; an ad-hoc timing of 1,000 of them) 0.65-0.70x. Locals of the
+ * step loops, not a struct: GCC kept a struct of them on the stack. `uniform` a
+ * constant; ps the first step's plan. */
 static const plan_step zero_step; /* what UNIFORM_STEP_REGS reads where not uniform (unused) */
 #define UNIFORM_STEP_REGS(ps)                                                                                    \
     const plan_step *const u_ = uniform ? (ps) : &zero_step;                                                       \
