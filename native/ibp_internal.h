@@ -120,6 +120,17 @@ static inline void ibp_row_spans(const ibp_table *t, const int64_t *ids, uint64_
         ibp_row_spans_rel(t, 1, ids, n, start, len);
 }
 
+/* Prefetch the lines of bytes [start, start + len) of payload: into L1 (and L2), or
+ * where l2 into L2 only. */
+static inline void prefetch_lines(const uint8_t *payload, uint64_t start, uint64_t len, int l2)
+{
+    for (uint64_t a = start & ~(uint64_t)63; a < start + len; a += 64)
+        if (l2)
+            __builtin_prefetch(payload + a, 0, 1);
+        else
+            __builtin_prefetch(payload + a);
+}
+
 /* The payload lines [next, end) of a row decoded later, which a row decoder
  * prefetches a line a step (see decode_spans_w in ibp_rowcodec.inc). */
 typedef struct step_prefetch {

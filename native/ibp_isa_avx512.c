@@ -229,7 +229,7 @@ static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decod
  * benchmarks.ab, both orders): fp16 d64 0.83x the time, fp32 d64 0.87-0.88x, d128
  * 0.97x (trained-like 0.84x); trained-like W = 32, whose rows do not qualify, 1.02x;
  * rows from memory (a lookup into 101k rows) 0.97-1.04x. This loop of its own, for
- * tables whose rows are nearly all full (see full_runs), keeps the view in registers
+ * tables whose rows are nearly all full (see plan_runs), keeps the view in registers
  * and skips the general row loop's set-up: against decode_full_row row by row, fp16
  * d64 rows in cache 0.76-0.77x the time with header_full's plain load (which alone
  * gave 0.93-0.98x), lookups into 101k fp16 d64 rows 0.96-1.01x (1 thread,
@@ -247,17 +247,6 @@ static __attribute__((noinline)) uint64_t decode_full_rows(const void *p_v, cons
     return p->clusters == 1 ? full_rows_loop(p, 1, 0, 0, payload, start, len, r, n, ahead, dist, outs)
                             : full_rows_loop(p, 0, 0, 0, payload, start, len, r, n, ahead, dist, outs);
 }
-#define IBP_DECODE_FULL_ROWS(plan, payload, start, len, r, n, ahead, dist, outs)                                    \
-    decode_full_rows((plan), (payload), (start), (len), (r), (n), (ahead), (dist), (outs))
-
-/* Whether decode_spans_w should run decode_full_rows (plan p of the table, or NULL):
- * where most rows are full (see full_runs in plan_for). */
-static inline int has_full_runs(const void *p_v)
-{
-    const decode_plan *p = p_v;
-    return p && p->full_runs;
-}
-#define IBP_HAS_FULL_RUNS(plan) has_full_runs(plan)
 
 /* decode_full_rows for one row, inlined into the general row loop, for tables where
  * full rows and others alternate: returns 0 (nothing written) for a row that is not
@@ -300,6 +289,79 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
     }
 }
 
+/* The offsets of a step's fields (from its first bit) where its lanes with invariant
+ * bits share one extra (lay->extra): the planned ones (`excl`) plus the extra of each
+ * such lane below that does not participate, h the step's header bytes. A 16-bit
+ * multiply (the products, at most 31 * 64, fit): VPMULLD is 2 uops and 10 cycles on
+ * Intel cores (instruction tables); fp32 d128 W = 32 rows 0.87-0.99x the time on a
+ * Xeon (medians 0.95-1.02x). */
+static inline __attribute__((always_inline)) __m512i shared_excl64(const uint8_t *h, __m512i excl, __m512i late_below,
+                                                                   uint32_t extra_x2)
+{
+    const __m512i below = _mm512_andnot_si512(header_bits(h), late_below);
+    return _mm512_add_epi64(excl, _mm512_mullo_epi16(_mm512_popcnt_epi64(below), _mm512_set1_epi32((int)extra_x2)));
+}
+
+static inline __attribute__((always_inline)) __m512i shared_excl32(const uint8_t *h, __m512i excl, __m512i late_below,
+                                                                   uint32_t extra_x2)
+{
+    const __m512i below = _mm512_andnot_si512(header_bits(h), late_below);
+    return _mm512_add_epi32(excl, _mm512_mullo_epi16(_mm512_popcnt_epi32(below), _mm512_set1_epi32((int)extra_x2)));
+}
+
+/* W = 16: the popcount per half of each 32-bit element (late_below: below its low
+ * lane, then its high lane). */
+static inline __attribute__((always_inline)) __m512i shared_excl16(const uint8_t *h, __m512i excl,
+                                                                   const __m512i *late_below, uint32_t extra_x2)
+{
+    const __m512i hb = header_bits(h);
+    const __m512i below =
+        _mm512_or_si512(_mm512_popcnt_epi32(_mm512_andnot_si512(hb, late_below[0])),
+                        _mm512_slli_epi32(_mm512_popcnt_epi32(_mm512_andnot_si512(hb, late_below[1])), 16));
+    return _mm512_add_epi16(excl, _mm512_mullo_epi16(below, _mm512_set1_epi32((int)extra_x2)));
+}
+
+/* The bits of a step with shared extras whose lanes participate as `part` says. */
+static inline __attribute__((always_inline)) uint64_t shared_step_bits(const step_layout *lay, uint32_t part)
+{
+    return lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(~part & lay->extra_lanes);
+}
+
+/* A step's fields, lane i's at bit excl[i] of the bitstream bs from bit pos: a
+ * 128-byte window in two registers, VPERMT2 pulls out the two words that hold each
+ * lane's field and VPSHRDV shifts it out of them (see the top of this file). The
+ * fields keep the bits past their length. */
+static inline __attribute__((always_inline)) __m512i step_fields64(const uint8_t *bs, uint64_t pos, __m512i excl)
+{
+    const __m512i at = _mm512_add_epi64(excl, _mm512_set1_epi64((long long)(pos & 7)));
+    const uint8_t *win = bs + (pos >> 3);
+    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = _mm512_loadu_si512((const void *)(win + 64));
+    const __m512i q = _mm512_srli_epi64(at, 6); /* the field's first word of the window */
+    return _mm512_shrdv_epi64(_mm512_permutex2var_epi64(lo, q, hi),
+                              _mm512_permutex2var_epi64(lo, _mm512_add_epi64(q, _mm512_set1_epi64(1)), hi),
+                              at); /* bits at % 64.. of words q + 1 : q */
+}
+
+static inline __attribute__((always_inline)) __m512i step_fields32(const uint8_t *bs, uint64_t pos, __m512i excl)
+{
+    const __m512i at = _mm512_add_epi32(excl, _mm512_set1_epi32((int)(pos & 7)));
+    const uint8_t *win = bs + (pos >> 3);
+    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = _mm512_loadu_si512((const void *)(win + 64));
+    const __m512i q = _mm512_srli_epi32(at, 5);
+    return _mm512_shrdv_epi32(_mm512_permutex2var_epi32(lo, q, hi),
+                              _mm512_permutex2var_epi32(lo, _mm512_add_epi32(q, _mm512_set1_epi32(1)), hi), at);
+}
+
+static inline __attribute__((always_inline)) __m512i step_fields16(const uint8_t *bs, uint64_t pos, __m512i excl)
+{
+    const __m512i at = _mm512_add_epi16(excl, _mm512_set1_epi16((short)(pos & 7)));
+    const uint8_t *win = bs + (pos >> 3);
+    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = _mm512_loadu_si512((const void *)(win + 64));
+    const __m512i q = _mm512_srli_epi16(at, 4);
+    return _mm512_shrdv_epi16(_mm512_permutex2var_epi16(lo, q, hi),
+                              _mm512_permutex2var_epi16(lo, _mm512_add_epi16(q, _mm512_set1_epi16(1)), hi), at);
+}
+
 /* Decode words [0, 8 * floor(full / 8)) of a W = 64 row; returns how many. `planned`
  * (a constant) says that plan_v is not NULL. */
 static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const uint8_t *hdr, const uint8_t *bs, uint64_t *pos_io,
@@ -311,7 +373,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w64 = _mm512_set1_epi64(64);
     const __m512i ones = _mm512_set1_epi64(-1);
-    const __m512i one = _mm512_set1_epi64(1);
     const plan_step *ps = planned ? plan->steps : NULL; /* step j / 8's (uniform: every step's) */
     UNIFORM_STEP_REGS(ps);
     uint64_t pos = *pos_io;
@@ -329,12 +390,8 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
             continue;
         }
         if (lay && lay->extra) { /* the planned layout, corrected for non-participating lanes */
-            const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
-            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8),
-                                                      uniform ? u_late_below : ps->late_below[0]);
-            excl = _mm512_add_epi64(STEP(excl), _mm512_mullo_epi16(_mm512_popcnt_epi64(below), /* as at W = 32 */
-                                                                   _mm512_set1_epi32((int)lay->extra_x2)));
-            step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
+            excl = shared_excl64(hdr + j / 8, STEP(excl), uniform ? u_late_below : ps->late_below[0], lay->extra_x2);
+            step_bits = shared_step_bits(lay, part);
         } else {
             __m512i vb = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)(vbits + j)));
             /* n = part ? vbits : 64, as arithmetic (a masked blend here crashes GCC 12's LRA) */
@@ -345,15 +402,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
             excl = _mm512_sub_epi64(incl, n);
             step_bits = (uint64_t)_mm_extract_epi64(_mm512_extracti64x2_epi64(incl, 3), 1);
         }
-        /* bit offset of each field from the window's first byte */
-        __m512i at = _mm512_add_epi64(excl, _mm512_set1_epi64((long long)(pos & 7)));
-        const uint8_t *win = bs + (pos >> 3);
-        __m512i lo = _mm512_loadu_si512((const void *)win);
-        __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
-        const __m512i q = _mm512_srli_epi64(at, 6); /* the field's first word of the window */
-        __m512i field = _mm512_shrdv_epi64(_mm512_permutex2var_epi64(lo, q, hi),
-                                           _mm512_permutex2var_epi64(lo, _mm512_add_epi64(q, one), hi),
-                                           at); /* bits at % 64.. of words q + 1 : q */
+        __m512i field = step_fields64(bs, pos, excl);
         if (plan) { /* planned deposit (see plan_cluster); non-participating lanes keep the raw word */
             __m512i dep = plan_deposit(STEP(ctrl), STEP(sel), STEP(bitval), lay->shifts, field);
             field = _mm512_mask_mov_epi64(field, part, dep);
@@ -414,7 +463,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w32 = _mm512_set1_epi32(32);
     const __m512i ones = _mm512_set1_epi32(-1);
-    const __m512i one = _mm512_set1_epi32(1);
     const __m512i zero = _mm512_setzero_si512();
     const plan_step *ps = planned ? plan->steps : NULL; /* step j / 16's (uniform: every step's) */
     UNIFORM_STEP_REGS(ps);
@@ -433,15 +481,8 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
             continue;
         }
         if (lay && lay->extra) { /* as in decode_words64_avx512 */
-            const uint32_t late = ~(uint32_t)part & lay->extra_lanes;
-            const __m512i below = _mm512_andnot_si512(header_bits(hdr + j / 8),
-                                                      uniform ? u_late_below : ps->late_below[0]);
-            /* a 16-bit multiply (the products, at most 15 * 32, fit): VPMULLD is 2 uops and 10
-             * cycles on Intel cores (instruction tables); fp32 d128 W = 32 rows 0.87-0.99x the
-             * time on a Xeon (medians 0.95-1.02x) */
-            excl = _mm512_add_epi32(STEP(excl), _mm512_mullo_epi16(_mm512_popcnt_epi32(below),
-                                                                   _mm512_set1_epi32((int)lay->extra_x2)));
-            step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
+            excl = shared_excl32(hdr + j / 8, STEP(excl), uniform ? u_late_below : ps->late_below[0], lay->extra_x2);
+            step_bits = shared_step_bits(lay, part);
         } else {
             __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(vbits + j)));
             n = _mm512_sub_epi32(w32, _mm512_and_si512(_mm512_sub_epi32(w32, vb), _mm512_movm_epi32(part)));
@@ -452,13 +493,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
             excl = _mm512_sub_epi32(incl, n);
             step_bits = (uint32_t)_mm_extract_epi32(_mm512_extracti32x4_epi32(incl, 3), 3);
         }
-        __m512i at = _mm512_add_epi32(excl, _mm512_set1_epi32((int)(pos & 7)));
-        const uint8_t *win = bs + (pos >> 3);
-        __m512i lo = _mm512_loadu_si512((const void *)win);
-        __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
-        const __m512i q = _mm512_srli_epi32(at, 5); /* as at W = 64, in 32-bit words */
-        __m512i field = _mm512_shrdv_epi32(_mm512_permutex2var_epi32(lo, q, hi),
-                                           _mm512_permutex2var_epi32(lo, _mm512_add_epi32(q, one), hi), at);
+        __m512i field = step_fields32(bs, pos, excl);
         if (plan) { /* as in decode_words64_avx512 */
             __m512i dep = plan_deposit(STEP(ctrl), STEP(sel), STEP(bitval), lay->shifts, field);
             field = _mm512_mask_mov_epi32(field, part, dep);
@@ -509,6 +544,42 @@ static inline __m512i shift_words_up(__m512i x, int k)
                                           _mm512_sub_epi16(lane, _mm512_set1_epi16((short)k)), x);
 }
 
+/* The offsets of a W = 16 step's fields where its lanes' extras differ, and its bits
+ * (*step_bits): the planned layout, corrected by a prefix sum of the non-participating
+ * lanes' extras, x (bytes; a float32's halves: up to three extras in a step):
+ * shifted adds within 64-bit lanes sum each 8-lane group's bytes up to each byte (a
+ * group's sum, at most 8 * 16, fits), and two more, of the four group sums in 16-bit
+ * fields, sum the groups. The step's bits come
+ * from the same sums (from scalar popcounts, one per bit of the extras, they
+ * took 1.12-1.16x the time on Zen 5). The sums were two 64-bit multiplies by
+ * 0x0101...01 and 0x0001...0001, chosen on Zen 5; VPMULLQ is 3 uops and 15
+ * cycles on Intel cores (instruction tables), and on a Xeon (Sapphire Rapids
+ * class) fp32 d128 torchrec-init rows decoded in 0.55-0.60x the time with the
+ * shifts (in cache, 1 thread, benchmarks.ab, both orders). Steps whose lanes
+ * share one extra take shared_excl16's popcount, as at W = 32: against this path, on
+ * that Xeon, torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x,
+ * trained-like fp32 1.01-1.03x (its steps never qualify; the test costs),
+ * trained-like fp16 0.85-1.04x. */
+static inline __attribute__((always_inline)) __m512i lane_excl16(uint32_t part, const step_layout *lay, __m512i excl,
+                                                                 uint64_t *step_bits)
+{
+    /* the bytes that end each 8-lane group of a 32-byte vector, gathered into 16-bit fields */
+    const __m256i group_last = _mm256_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0, 31, 0, 23, 0, 15, 0, 7);
+    const __m512i group_below = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 0, 0, 0, 0, 0, 0, 0, 0); /* lanes 0-7: none (masked) */
+    const __m256i x = _mm256_maskz_mov_epi8(~part, _mm256_loadu_si256((const void *)lay->lane_extra));
+    __m256i incl = _mm256_add_epi64(x, _mm256_slli_epi64(x, 8));
+    incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 16));
+    incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 32));
+    __m256i sums = _mm256_maskz_permutexvar_epi8(0x55, group_last, incl);
+    sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 16));
+    sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 32));
+    *step_bits = lay->total + ((uint64_t)_mm256_cvtsi256_si32(_mm256_srli_epi64(sums, 48)) & 0xffff);
+    return _mm512_add_epi16(_mm512_add_epi16(excl, _mm512_cvtepu8_epi16(_mm256_sub_epi8(incl, x))),
+                            _mm512_maskz_permutexvar_epi16(0xffffff00u, group_below, _mm512_castsi256_si512(sums)));
+}
+
 /* Decode words [0, 32 * floor(full / 32)) of a W = 16 row; returns how many. The same
  * steps with thirty-two 16-bit lanes; four header bytes give the lane mask; `direct`
  * as at W = 32. */
@@ -520,12 +591,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
     const plan_view *plan = planned ? plan_v : NULL;
     const __m512i w16 = _mm512_set1_epi16(16);
     const __m512i ones = _mm512_set1_epi16(-1);
-    const __m512i one = _mm512_set1_epi16(1);
-    /* the bytes that end each 8-lane group of a 32-byte vector, gathered into 16-bit fields */
-    const __m256i group_last = _mm256_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                               0, 31, 0, 23, 0, 15, 0, 7);
-    const __m512i group_below = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                 0, 0, 0, 0, 0, 0, 0, 0); /* lanes 0-7: none (masked) */
     const __m512i zero = _mm512_setzero_si512();
     const plan_step *ps = planned ? plan->steps : NULL; /* step j / 32's */
     uint64_t pos = *pos_io;
@@ -542,40 +607,11 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
             pos += lay->total;
             continue;
         }
-        if (lay && lay->extra) { /* one extra: as in decode_words64_avx512, the popcount per half */
-            const uint32_t late = ~part & lay->extra_lanes;
-            const __m512i h = header_bits(hdr + j / 8);
-            const __m512i below = _mm512_or_si512(
-                _mm512_popcnt_epi32(_mm512_andnot_si512(h, ps->late_below[0])),
-                _mm512_slli_epi32(_mm512_popcnt_epi32(_mm512_andnot_si512(h, ps->late_below[1])), 16));
-            excl = _mm512_add_epi16(ps->excl, _mm512_mullo_epi16(below, _mm512_set1_epi32((int)lay->extra_x2)));
-            step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(late);
+        if (lay && lay->extra) { /* one extra: as in decode_words64_avx512 */
+            excl = shared_excl16(hdr + j / 8, ps->excl, ps->late_below, lay->extra_x2);
+            step_bits = shared_step_bits(lay, part);
         } else if (lay) {
-            /* The planned layout, corrected by a prefix sum of the non-participating lanes'
-             * extras, x (bytes), where the extras differ (a float32's halves: up to three
-             * extras in a step): shifted adds within 64-bit lanes sum each 8-lane group's
-             * bytes up to each byte (a group's sum, at most 8 * 16, fits), and two more, of
-             * the four group sums in 16-bit fields, sum the groups. The step's bits come
-             * from the same sums (from scalar popcounts, one per bit of the extras, they
-             * took 1.12-1.16x the time on Zen 5). The sums were two 64-bit multiplies by
-             * 0x0101...01 and 0x0001...0001, chosen on Zen 5; VPMULLQ is 3 uops and 15
-             * cycles on Intel cores (instruction tables), and on a Xeon (Sapphire Rapids
-             * class) fp32 d128 torchrec-init rows decoded in 0.55-0.60x the time with the
-             * shifts (in cache, 1 thread, benchmarks.ab, both orders). Steps whose lanes
-             * share one extra take the popcount above, as at W = 32: against this path, on
-             * that Xeon, torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x,
-             * trained-like fp32 1.01-1.03x (its steps never qualify; the test costs),
-             * trained-like fp16 0.85-1.04x. */
-            const __m256i x = _mm256_maskz_mov_epi8(~part, _mm256_loadu_si256((const void *)lay->lane_extra));
-            __m256i incl = _mm256_add_epi64(x, _mm256_slli_epi64(x, 8));
-            incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 16));
-            incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 32));
-            __m256i sums = _mm256_maskz_permutexvar_epi8(0x55, group_last, incl);
-            sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 16));
-            sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 32));
-            step_bits = lay->total + ((uint64_t)_mm256_cvtsi256_si32(_mm256_srli_epi64(sums, 48)) & 0xffff);
-            excl = _mm512_add_epi16(_mm512_add_epi16(ps->excl, _mm512_cvtepu8_epi16(_mm256_sub_epi8(incl, x))),
-                                    _mm512_maskz_permutexvar_epi16(0xffffff00u, group_below, _mm512_castsi256_si512(sums)));
+            excl = lane_excl16(part, lay, ps->excl, &step_bits);
         } else {
             __m512i vb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const void *)(vbits + j)));
             n = _mm512_sub_epi16(w16, _mm512_and_si512(_mm512_sub_epi16(w16, vb), _mm512_movm_epi16(part)));
@@ -587,13 +623,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
             excl = _mm512_sub_epi16(incl, n);
             step_bits = (uint16_t)_mm_extract_epi16(_mm512_extracti32x4_epi32(incl, 3), 7);
         }
-        __m512i at = _mm512_add_epi16(excl, _mm512_set1_epi16((short)(pos & 7)));
-        const uint8_t *win = bs + (pos >> 3);
-        __m512i lo = _mm512_loadu_si512((const void *)win);
-        __m512i hi = _mm512_loadu_si512((const void *)(win + 64));
-        const __m512i q = _mm512_srli_epi16(at, 4); /* as at W = 64, in 16-bit words */
-        __m512i field = _mm512_shrdv_epi16(_mm512_permutex2var_epi16(lo, q, hi),
-                                           _mm512_permutex2var_epi16(lo, _mm512_add_epi16(q, one), hi), at);
+        __m512i field = step_fields16(bs, pos, excl);
         if (plan) { /* as in decode_words64_avx512 */
             __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi16(field, part, dep);
@@ -677,6 +707,117 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(DECO
 }
 #undef DECODE_WORDS_ARGS
 #undef DECODE_WORDS_PARAMS
+
+/* decode_packed_rows' loop, W and the deposit's shifts constants. */
+static inline __attribute__((always_inline)) uint64_t packed_rows_loop(const decode_plan *p, const uint32_t W,
+                                                                       const uint32_t shifts, const uint8_t *payload,
+                                                                       const uint64_t *start, const uint64_t *len,
+                                                                       uint64_t r, uint64_t n, uint64_t ahead,
+                                                                       uint64_t dist, uint64_t near,
+                                                                       uint8_t *const *outs)
+{
+    const plan_view v0 = p->views[0];
+    const plan_step *const u = v0.steps;
+    const step_layout ul = u->layout;
+    const __m512i bitval = u->bitval, excl = u->excl, late_below[2] = {u->late_below[0], u->late_below[1]};
+    const __m512i ctrl[PLAN_MAX_SHIFTS] = {u->ctrl[0], u->ctrl[1], u->ctrl[2]};
+    const __m512i sel[PLAN_MAX_SHIFTS] = {u->sel[0], u->sel[1], u->sel[2]};
+    const __m512i direct_idx = u->direct_idx;
+    const __m512i direct_ctrl[PLAN_MAX_SHIFTS] = {u->direct_ctrl[0], u->direct_ctrl[1], u->direct_ctrl[2]};
+    const uint32_t lanes = 512 / W, steps = p->n_words / lanes, hdr_bytes = p->n_words / 8, R = p->row_bytes;
+    for (; r < n; r++) {
+        const uint64_t l = len[r];
+        if (l == R || l < hdr_bytes) /* a raw row, or a corrupt one: decode_row_w's */
+            break;
+        if (near && r + near < ahead) /* from L2 into L1 (see decode_spans_cold_w) */
+            prefetch_lines(payload, start[r + near], len[r + near], 0);
+        if (r + dist < ahead)
+            prefetch_lines(payload, start[r + dist], len[r + dist], near != 0);
+        const uint8_t *hdr = payload + start[r], *const bs = hdr + hdr_bytes;
+        uint8_t *out = outs[r];
+        uint64_t pos = 0;
+        for (uint32_t st = 0; st < steps; st++, hdr += lanes / 8, out += 64) {
+            uint32_t part = 0;
+            memcpy(&part, hdr, lanes / 8);
+            if (v0.direct && part == ul.direct_part) { /* every word participates */
+                _mm512_storeu_si512((void *)out, direct_step_of(direct_idx, direct_ctrl, sel, bitval, shifts, 0, bs, pos));
+                pos += ul.total;
+                continue;
+            }
+            __m512i field;
+            uint64_t step_bits = shared_step_bits(&ul, part);
+            if (W == 64)
+                field = step_fields64(bs, pos, shared_excl64(hdr, excl, late_below[0], ul.extra_x2));
+            else if (W == 32)
+                field = step_fields32(bs, pos, shared_excl32(hdr, excl, late_below[0], ul.extra_x2));
+            else if (ul.extra)
+                field = step_fields16(bs, pos, shared_excl16(hdr, excl, late_below, ul.extra_x2));
+            else
+                field = step_fields16(bs, pos, lane_excl16(part, &ul, excl, &step_bits));
+            const __m512i dep = plan_deposit(ctrl, sel, bitval, shifts, field);
+            /* non-participating lanes keep the raw word */
+            field = W == 64 ? _mm512_mask_mov_epi64(field, (__mmask8)part, dep)
+                    : W == 32 ? _mm512_mask_mov_epi32(field, (__mmask16)part, dep)
+                              : _mm512_mask_mov_epi16(field, (__mmask32)part, dep);
+            _mm512_storeu_si512((void *)out, field);
+            pos += step_bits;
+        }
+        if ((pos + 7) / 8 != l - hdr_bytes) /* corrupt: decode_row_w says so */
+            break;
+    }
+    return r;
+}
+
+/* Decode rows r, r + 1, ... of the spans (start, len) to outs, of a table whose plan p
+ * is RUNS_PACKED (see plan_runs), until a raw or corrupt row (returned, for the
+ * general decoder; n: all decoded). The plan's one step is held in registers and the
+ * rows need none of decode_row_w's per-row set-up (its cluster, the plan's view,
+ * the word loops' constants, a call per row at W = 16 and 32). Against decode_row_w
+ * (1,000 rows in cache, 1 thread, benchmarks.ab, both orders and the builds swapped,
+ * min and median; a Zen 4 EPYC): fp32 d128 torchrec init 0.81-0.86x the time at W =
+ * 16, 0.85-0.94x at W = 32, 0.78-0.87x at W = 64; trained-like 0.87-0.95x, 0.76-0.85x,
+ * and at W = 64 0.85-1.15x (the position effect: most of its steps are direct, as
+ * before); fp16 d64 0.57-0.83x at every W (torchrec init at W = 64 is decode_full_rows'),
+ * bf16 d128 0.70-0.74x; fp32 d384 trained-like 0.89-1.04x. Prefetches row r + dist whole as the row starts (into L2
+ * only where near, and row r + near from there into L1: see decode_spans_cold_w);
+ * a line a step, as decode_row_w's W = 64 steps do, took 1.07-1.33x the time in
+ * cache. */
+static __attribute__((noinline)) uint64_t decode_packed_rows(const decode_plan *p, const uint8_t *payload,
+                                                             const uint64_t *start, const uint64_t *len, uint64_t r,
+                                                             uint64_t n, uint64_t ahead, uint64_t dist, uint64_t near,
+                                                             uint8_t *const *outs)
+{
+#define PACKED_ROWS(W, shifts) packed_rows_loop(p, W, shifts, payload, start, len, r, n, ahead, dist, near, outs)
+    const int three = p->views[0].steps->layout.shifts > 2;
+    switch (p->word_bits) {
+    case 16: return three ? PACKED_ROWS(16, 3) : PACKED_ROWS(16, 2);
+    case 32: return three ? PACKED_ROWS(32, 3) : PACKED_ROWS(32, 2);
+    default: return three ? PACKED_ROWS(64, 3) : PACKED_ROWS(64, 2);
+    }
+#undef PACKED_ROWS
+}
+
+/* How decode_spans_w decodes rows in runs (plan p of the table, or NULL; see plan_runs). */
+static inline int plan_runs_of(const void *p_v)
+{
+    const decode_plan *p = p_v;
+    return p ? p->runs : 0;
+}
+#define IBP_RUNS(plan) plan_runs_of(plan)
+#define IBP_RUNS_PACKED RUNS_PACKED
+
+/* Decode rows r, r + 1, ... in runs as the plan says (IBP_RUNS not 0); returns the
+ * first row not decoded. near: see decode_packed_rows (decode_full_rows ignores it). */
+static inline uint64_t decode_runs(const void *p_v, const uint8_t *payload, const uint64_t *start, const uint64_t *len,
+                                   uint64_t r, uint64_t n, uint64_t ahead, uint64_t dist, uint64_t near,
+                                   uint8_t *const *outs)
+{
+    const decode_plan *p = p_v;
+    return p->runs == RUNS_PACKED ? decode_packed_rows(p, payload, start, len, r, n, ahead, dist, near, outs)
+                                  : decode_full_rows(p, payload, start, len, r, n, ahead, dist, outs);
+}
+#define IBP_DECODE_RUNS(plan, payload, start, len, r, n, ahead, dist, near, outs)                                   \
+    decode_runs((plan), (payload), (start), (len), (r), (n), (ahead), (dist), (near), (outs))
 
 #define IBP_DECODE_WORDS64_SIMD decode_words64_avx512
 #define IBP_STEP_PREFETCH 1 /* the W = 64 decoders prefetch a line a step */

@@ -613,3 +613,80 @@ def test_full_row_fast_path_reads_the_header():
     for _ in every_isa():
         assert_bits_equal(t.decompress(), w)
         assert_bits_equal(t.gather(ids), w[ids])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["float32", "float16", "int8-three-runs"])
+def test_packed_rows_loop_hands_back_raw_and_corrupt_rows(kind, word_bits):
+    """Rows of a one-cluster table whose steps all share one plan (every word the same
+    mask, as in float tables), most with words that do not participate, are decoded in
+    a loop of their own (decode_packed_rows, AVX-512): field offsets from one shared
+    extra (W = 16 float32: each half's own), direct steps where a step's words all
+    participate, a deposit of two or three shifts (int8 bytes with variable bits 0, 2
+    and 4). It hands a raw row (random bits) back to the general decoder and resumes
+    after it, and must hand back a row whose bits do not add up to its length (a
+    flipped participation bit), which is then reported. Every instruction set must
+    decode the rest bit for bit."""
+    g = torch.Generator().manual_seed(59)
+    n = 1200
+    if kind == "int8-three-runs":
+        w = torch.randint(0, 128, (n, 128), generator=g, dtype=torch.int8) & 0x15
+        odd = torch.rand(n, 128, generator=g) < 0.004
+        w[odd] |= 0x40  # a variable bit where the mask has an invariant one
+    else:
+        dtype = getattr(torch, kind)
+        w = 1 + torch.rand(n, 128 if dtype == torch.float32 else 64, generator=g)
+        odd = torch.rand(w.shape, generator=g) < 0.01
+        w[odd] *= 1024  # another exponent: the word does not participate
+        w = w.to(dtype)
+    raw_rows = torch.arange(n) % 97 == 13
+    w.view(torch.uint8)[raw_rows] = torch.randint(0, 256, w.view(torch.uint8)[raw_rows].shape, generator=g,
+                                                  dtype=torch.uint8)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    lengths = t.row_lengths()
+    assert t.clusters == 1 and not t.is_raw and np.all(lengths[raw_rows.numpy()] == t._row_bytes)
+    full = np.bincount(lengths).argmax()
+    assert np.mean(lengths == full) < 0.9  # not decode_full_rows' tables
+    ids = torch.cat([torch.arange(n), torch.randint(0, n, (700,), generator=g)])
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
+    # corrupt an encoded row in the middle of a run: flip the participation bit of the
+    # word with the most invariant bits (one bit more or less may fit the last byte)
+    bad = int(np.flatnonzero(~raw_rows.numpy())[n // 2])
+    j = int(np.argmax([bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]))
+    t._payload[int(t._row_starts()[bad]) + j // 8] ^= 1 << (j % 8)
+    for _ in every_isa():
+        with pytest.raises(ibp_embed.FormatError):
+            t.gather(torch.arange(bad - 20, bad + 20))
+        others = torch.cat([torch.arange(bad - 20, bad), torch.arange(bad + 1, bad + 20)])
+        assert_bits_equal(t.gather(others), w[others])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_packed_rows_loop_takes_raw_rows_by_their_length(word_bits):
+    """A raw row is told by its length alone: read as an encoded row, its first bytes
+    (a header's place) can name words whose fields add up to that length too. Such a
+    row, here crafted (int8 bytes whose top bit is invariant, so that a word's extra
+    is W / 8 bits), must come out as stored, from every instruction set."""
+    g = torch.Generator().manual_seed(61)
+    n, row_bytes = 800, 128
+    w = torch.randint(0, 128, (n, row_bytes), generator=g, dtype=torch.int8)
+    w[torch.rand(w.shape, generator=g) < 0.02] |= -128  # its word does not participate
+    masks = np.asarray(ibp_embed.compress(w, word_bits=word_bits).masks)[0]
+    n_words, hdr_bytes = masks.size, masks.size // 8
+    # header bits that make the bitstream of a row of row_bytes exactly end its span
+    bits, header = n_words * word_bits, 0
+    for j, m in enumerate(masks):
+        if -(-bits // 8) <= row_bytes - hdr_bytes:
+            break
+        bits -= bin(int(m)).count("1")
+        header |= 1 << j
+    assert -(-bits // 8) == row_bytes - hdr_bytes
+    crafted = torch.randint(-128, 128, (row_bytes,), generator=g, dtype=torch.int8)
+    crafted[:hdr_bytes] = torch.tensor(list(header.to_bytes(hdr_bytes, "little")), dtype=torch.uint8).view(torch.int8)
+    w[n // 2] = crafted
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert np.array_equal(np.asarray(t.masks)[0], masks) and t.row_lengths()[n // 2] == row_bytes
+    for _ in every_isa():
+        assert_bits_equal(t.gather(torch.arange(n // 2 - 10, n // 2 + 10)), w[n // 2 - 10: n // 2 + 10])
