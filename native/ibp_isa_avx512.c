@@ -780,7 +780,7 @@ static inline __attribute__((always_inline)) uint64_t packed_rows_loop(const dec
  * before); fp16 d64 0.57-0.83x at every W (torchrec init at W = 64 is decode_full_rows'),
  * bf16 d128 0.70-0.74x; fp32 d384 trained-like 0.89-1.04x. Prefetches row r + dist whole as the row starts (into L2
  * only where near, and row r + near from there into L1: see decode_spans_cold_w);
- * a line a step, as decode_row_w's W = 64 steps do, took 1.07-1.33x the time in
+ * a line a step, as decode_row_w's W = 64 steps do, took 1.05-1.39x the time in
  * cache. */
 static __attribute__((noinline)) uint64_t decode_packed_rows(const decode_plan *p, const uint8_t *payload,
                                                              const uint64_t *start, const uint64_t *len, uint64_t r,
