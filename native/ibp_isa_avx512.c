@@ -179,75 +179,6 @@ static inline __attribute__((always_inline)) const plan_view *full_row_view(cons
     return len == v->full_len && header_full(v, row + !single) ? v : NULL; /* full_len 0: no such rows */
 }
 
-/* decode_full_rows' loop; `single` (a constant): the plan has one cluster, whose view
- * is then held in locals (the output stores may alias the plan); `uniform` (a
- * constant, with single): its plan is uniform, with `shifts` shifts, and held in
- * registers for the whole run. Against loading it row by row (fp16 d64 rows are two
- * steps; Zen 4, benchmarks.ab, both orders and the builds swapped): fp16 d64 rows in
- * cache 0.77-0.82x the time, d384 0.94-1.02x; lookups into 101k fp16 d64 rows
- * 0.94-0.95x (Zipf ids), 0.93-1.01x (uniform). */
-static inline __attribute__((always_inline)) uint64_t full_rows_loop(const decode_plan *p, const int single,
-                                                                     const int uniform, const uint32_t shifts,
-                                                                     const uint8_t *payload, const uint64_t *start,
-                                                                     const uint64_t *len, uint64_t r, uint64_t n,
-                                                                     uint64_t ahead, uint64_t dist,
-                                                                     uint8_t *const *outs)
-{
-    const plan_view v0 = p->views[0];
-    UNIFORM_STEP_REGS(v0.steps);
-    (void)u_excl, (void)u_late_below, (void)u_ctrl; /* the general steps' */
-    for (; r < n; r++) {
-        const uint8_t *row = payload + start[r];
-        const plan_view *v = full_row_view(p, &v0, single, row, len[r]);
-        if (!v)
-            break;
-        step_prefetch later = {NULL, NULL, 0}; /* the lines of row r + dist (see decode_spans_w) */
-        if (r + dist < ahead) {
-            const uint64_t s = start[r + dist];
-            later = (step_prefetch){payload + (s & ~(uint64_t)63), payload + s + len[r + dist], 0};
-            step_prefetch_line(&later);
-        }
-        if (uniform)
-            uniform_full_steps(u_direct_idx, u_direct_ctrl, u_sel, u_bitval, ul.total / 8, v0.n_steps,
-                               row + v0.hdr_bytes, outs[r], &later, shifts);
-        else
-            full_row_steps(v, row + !single + v->hdr_bytes, outs[r], &later);
-        while (later.next < later.end) /* the lines its steps left */
-            step_prefetch_line(&later);
-    }
-    return r;
-}
-
-/* Decode rows r, r + 1, ... of the spans (start, len) to outs while all their words
- * participate and every step of their cluster has a direct form (plan p of the table):
- * each step's fields then lie at its planned bit, so the steps need neither
- * the header nor a running position, nor a branch, and the rows none of the general
- * decoder's set-up. Prefetches as decode_spans_w does, dist rows ahead up to the
- * span ahead - 1. Returns the first row it did not decode (n: all). Such rows: 100%
- * of torchrec-init fp16 d64 rows, 54% fp32 d64, 29% fp32 d128 (56% trained-like,
- * 73% normal(0, 0.01)). Against the step loop for them (in-cache decode, 1 thread,
- * benchmarks.ab, both orders): fp16 d64 0.83x the time, fp32 d64 0.87-0.88x, d128
- * 0.97x (trained-like 0.84x); trained-like W = 32, whose rows do not qualify, 1.02x;
- * rows from memory (a lookup into 101k rows) 0.97-1.04x. This loop of its own, for
- * tables whose rows are nearly all full (see plan_runs), keeps the view in registers
- * and skips the general row loop's set-up: against decode_full_row row by row, fp16
- * d64 rows in cache 0.76-0.77x the time with header_full's plain load (which alone
- * gave 0.93-0.98x), lookups into 101k fp16 d64 rows 0.96-1.01x (1 thread,
- * benchmarks.ab, both orders and the builds swapped). Run on tables with 29-56%
- * full rows (fp32 d128), leaving it at every other row took 1.01-1.15x the time. */
-static __attribute__((noinline)) uint64_t decode_full_rows(const void *p_v, const uint8_t *payload,
-                                                           const uint64_t *start, const uint64_t *len, uint64_t r,
-                                                           uint64_t n, uint64_t ahead, uint64_t dist,
-                                                           uint8_t *const *outs)
-{
-    const decode_plan *p = p_v;
-    if (p->clusters == 1 && p->views[0].uniform)
-        return p->views[0].most_shifts <= 2 ? full_rows_loop(p, 1, 1, 2, payload, start, len, r, n, ahead, dist, outs)
-                                            : full_rows_loop(p, 1, 1, 3, payload, start, len, r, n, ahead, dist, outs);
-    return p->clusters == 1 ? full_rows_loop(p, 1, 0, 0, payload, start, len, r, n, ahead, dist, outs)
-                            : full_rows_loop(p, 0, 0, 0, payload, start, len, r, n, ahead, dist, outs);
-}
-
 /* decode_full_rows for one row, inlined into the general row loop, for tables where
  * full rows and others alternate: returns 0 (nothing written) for a row that is not
  * full. */
@@ -292,7 +223,7 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
 /* The offsets of a step's fields (from its first bit) where its lanes with invariant
  * bits share one extra (lay->extra): the planned ones (`excl`) plus the extra of each
  * such lane below that does not participate, h the step's header bytes. A 16-bit
- * multiply (the products, at most 31 * 64, fit): VPMULLD is 2 uops and 10 cycles on
+ * multiply (a product is at most 31 lanes times 16 bits, or 15 * 32, or 7 * 64): VPMULLD is 2 uops and 10 cycles on
  * Intel cores (instruction tables); fp32 d128 W = 32 rows 0.87-0.99x the time on a
  * Xeon (medians 0.95-1.02x). */
 static inline __attribute__((always_inline)) __m512i shared_excl64(const uint8_t *h, __m512i excl, __m512i late_below,
@@ -527,7 +458,6 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
 
 #undef STEP
 #undef DIRECT_STEP
-#undef UNIFORM_STEP_REGS
 
 /* 8 64-bit words narrowed to 8 16-bit lanes */
 static inline __m128i narrow16(const uint64_t *p)
@@ -708,124 +638,8 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(DECO
 #undef DECODE_WORDS_ARGS
 #undef DECODE_WORDS_PARAMS
 
-/* decode_packed_rows' loop, W, the deposit's shifts and two_steps (rows of two steps)
- * constants. */
-static inline __attribute__((always_inline)) uint64_t packed_rows_loop(const decode_plan *p, const uint32_t W,
-                                                                       const uint32_t shifts, const int two_steps,
-                                                                       const uint8_t *payload,
-                                                                       const uint64_t *start, const uint64_t *len,
-                                                                       uint64_t r, uint64_t n, uint64_t ahead,
-                                                                       uint64_t dist, uint64_t near,
-                                                                       uint8_t *const *outs)
-{
-    const plan_view v0 = p->views[0];
-    const plan_step *const u = v0.steps;
-    const step_layout ul = u->layout;
-    const __m512i bitval = u->bitval, excl = u->excl, late_below[2] = {u->late_below[0], u->late_below[1]};
-    const __m512i ctrl[PLAN_MAX_SHIFTS] = {u->ctrl[0], u->ctrl[1], u->ctrl[2]};
-    const __m512i sel[PLAN_MAX_SHIFTS] = {u->sel[0], u->sel[1], u->sel[2]};
-    const __m512i direct_idx = u->direct_idx;
-    const __m512i direct_ctrl[PLAN_MAX_SHIFTS] = {u->direct_ctrl[0], u->direct_ctrl[1], u->direct_ctrl[2]};
-    const uint32_t lanes = 512 / W, steps = two_steps ? 2 : p->n_words / lanes;
-    const uint32_t hdr_bytes = p->n_words / 8, R = p->row_bytes;
-    for (; r < n; r++) {
-        const uint64_t l = len[r];
-        if (l == R || l < hdr_bytes) /* a raw row, or a corrupt one: decode_row_w's */
-            break;
-        if (near && r + near < ahead) /* from L2 into L1 (see decode_spans_cold_w) */
-            prefetch_lines(payload, start[r + near], len[r + near], 0);
-        if (r + dist < ahead)
-            prefetch_lines(payload, start[r + dist], len[r + dist], near != 0);
-        const uint8_t *hdr = payload + start[r], *const bs = hdr + hdr_bytes;
-        uint8_t *out = outs[r];
-        uint64_t pos = 0;
-        for (uint32_t st = 0; st < steps; st++, hdr += lanes / 8, out += 64) {
-            uint32_t part = 0;
-            memcpy(&part, hdr, lanes / 8);
-            if (v0.direct && part == ul.direct_part) { /* every word participates */
-                _mm512_storeu_si512((void *)out, direct_step_of(direct_idx, direct_ctrl, sel, bitval, shifts, 0, bs, pos));
-                pos += ul.total;
-                continue;
-            }
-            __m512i field;
-            uint64_t step_bits = shared_step_bits(&ul, part);
-            if (W == 64)
-                field = step_fields64(bs, pos, shared_excl64(hdr, excl, late_below[0], ul.extra_x2));
-            else if (W == 32)
-                field = step_fields32(bs, pos, shared_excl32(hdr, excl, late_below[0], ul.extra_x2));
-            else if (ul.extra)
-                field = step_fields16(bs, pos, shared_excl16(hdr, excl, late_below, ul.extra_x2));
-            else
-                field = step_fields16(bs, pos, lane_excl16(part, &ul, excl, &step_bits));
-            const __m512i dep = plan_deposit(ctrl, sel, bitval, shifts, field);
-            /* non-participating lanes keep the raw word */
-            field = W == 64 ? _mm512_mask_mov_epi64(field, (__mmask8)part, dep)
-                    : W == 32 ? _mm512_mask_mov_epi32(field, (__mmask16)part, dep)
-                              : _mm512_mask_mov_epi16(field, (__mmask32)part, dep);
-            _mm512_storeu_si512((void *)out, field);
-            pos += step_bits;
-        }
-        if ((pos + 7) / 8 != l - hdr_bytes) /* corrupt: decode_row_w says so */
-            break;
-    }
-    return r;
-}
-
-/* Decode rows r, r + 1, ... of the spans (start, len) to outs, of a table whose plan p
- * is RUNS_PACKED (see plan_runs), until a raw or corrupt row (returned, for the
- * general decoder; n: all decoded). The plan's one step is held in registers and the
- * rows need none of decode_row_w's per-row set-up (its cluster, the plan's view,
- * the word loops' constants, a call per row at W = 16 and 32). Against decode_row_w
- * (1,000 rows in cache, 1 thread, benchmarks.ab, both orders and the builds swapped,
- * min and median; a Zen 4 EPYC): fp32 d128 torchrec init 0.81-0.86x the time at W =
- * 16, 0.85-0.94x at W = 32, 0.78-0.87x at W = 64; trained-like 0.87-0.95x, 0.76-0.85x,
- * and at W = 64 0.85-1.15x (the position effect: most of its steps are direct, as
- * before); fp16 d64 0.57-0.83x at every W (torchrec init at W = 64 is decode_full_rows'),
- * bf16 d128 0.70-0.74x; fp32 d384 trained-like 0.89-1.04x. Prefetches row r + dist whole as the row starts (into L2
- * only where near, and row r + near from there into L1: see decode_spans_cold_w);
- * a line a step, as decode_row_w's W = 64 steps do, took 1.05-1.39x the time in
- * cache. */
-static __attribute__((noinline)) uint64_t decode_packed_rows(const decode_plan *p, const uint8_t *payload,
-                                                             const uint64_t *start, const uint64_t *len, uint64_t r,
-                                                             uint64_t n, uint64_t ahead, uint64_t dist, uint64_t near,
-                                                             uint8_t *const *outs)
-{
-#define PACKED_ROWS(W, shifts)                                                                                     \
-    (two ? packed_rows_loop(p, W, shifts, 1, payload, start, len, r, n, ahead, dist, near, outs)                    \
-         : packed_rows_loop(p, W, shifts, 0, payload, start, len, r, n, ahead, dist, near, outs))
-    /* rows of two steps (fp16 d64 at every W) with the loop over them unrolled: 0.81-0.97x
-     * the time in cache; four (bf16 d128, fp32 d64) gained 0-7% and lost 0-4% (fp16 d128
-     * W = 16), so not there */
-    const int three = p->views[0].steps->layout.shifts > 2, two = p->n_words == 2 * (512 / p->word_bits);
-    switch (p->word_bits) {
-    case 16: return three ? PACKED_ROWS(16, 3) : PACKED_ROWS(16, 2);
-    case 32: return three ? PACKED_ROWS(32, 3) : PACKED_ROWS(32, 2);
-    default: return three ? PACKED_ROWS(64, 3) : PACKED_ROWS(64, 2);
-    }
-#undef PACKED_ROWS
-}
-
-/* How decode_spans_w decodes rows in runs (plan p of the table, or NULL; see plan_runs). */
-static inline int plan_runs_of(const void *p_v)
-{
-    const decode_plan *p = p_v;
-    return p ? p->runs : 0;
-}
-#define IBP_RUNS(plan) plan_runs_of(plan)
-#define IBP_RUNS_PACKED RUNS_PACKED
-
-/* Decode rows r, r + 1, ... in runs as the plan says (IBP_RUNS not 0); returns the
- * first row not decoded. near: see decode_packed_rows (decode_full_rows ignores it). */
-static inline uint64_t decode_runs(const void *p_v, const uint8_t *payload, const uint64_t *start, const uint64_t *len,
-                                   uint64_t r, uint64_t n, uint64_t ahead, uint64_t dist, uint64_t near,
-                                   uint8_t *const *outs)
-{
-    const decode_plan *p = p_v;
-    return p->runs == RUNS_PACKED ? decode_packed_rows(p, payload, start, len, r, n, ahead, dist, near, outs)
-                                  : decode_full_rows(p, payload, start, len, r, n, ahead, dist, outs);
-}
-#define IBP_DECODE_RUNS(plan, payload, start, len, r, n, ahead, dist, near, outs)                                   \
-    decode_runs((plan), (payload), (start), (len), (r), (n), (ahead), (dist), (near), (outs))
+#include "ibp_avx512_runs.inc"
+#undef UNIFORM_STEP_REGS
 
 #define IBP_DECODE_WORDS64_SIMD decode_words64_avx512
 #define IBP_STEP_PREFETCH 1 /* the W = 64 decoders prefetch a line a step */
