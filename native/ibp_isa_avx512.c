@@ -223,9 +223,9 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
 /* The offsets of a step's fields (from its first bit) where its lanes with invariant
  * bits share one extra (lay->extra): the planned ones (`excl`) plus the extra of each
  * such lane below that does not participate, h the step's header bytes. A 16-bit
- * multiply (a product is at most 31 lanes times 16 bits, or 15 * 32, or 7 * 64): VPMULLD is 2 uops and 10 cycles on
- * Intel cores (instruction tables); fp32 d128 W = 32 rows 0.87-0.99x the time on a
- * Xeon (medians 0.95-1.02x). */
+ * multiply (a product is at most 31 lanes times 16 bits, or 15 * 32, or 7 * 64):
+ * VPMULLD is 2 uops and 10 cycles on Intel cores (instruction tables); fp32 d128 W = 32
+ * rows 0.87-0.99x the time on a Xeon (medians 0.95-1.02x). */
 static inline __attribute__((always_inline)) __m512i shared_excl64(const uint8_t *h, __m512i excl, __m512i late_below,
                                                                    uint32_t extra_x2)
 {
@@ -479,17 +479,16 @@ static inline __m512i shift_words_up(__m512i x, int k)
  * lanes' extras, x (bytes; a float32's halves: up to three extras in a step):
  * shifted adds within 64-bit lanes sum each 8-lane group's bytes up to each byte (a
  * group's sum, at most 8 * 16, fits), and two more, of the four group sums in 16-bit
- * fields, sum the groups. The step's bits come
- * from the same sums (from scalar popcounts, one per bit of the extras, they
- * took 1.12-1.16x the time on Zen 5). The sums were two 64-bit multiplies by
- * 0x0101...01 and 0x0001...0001, chosen on Zen 5; VPMULLQ is 3 uops and 15
- * cycles on Intel cores (instruction tables), and on a Xeon (Sapphire Rapids
- * class) fp32 d128 torchrec-init rows decoded in 0.55-0.60x the time with the
- * shifts (in cache, 1 thread, benchmarks.ab, both orders). Steps whose lanes
+ * fields, sum the groups. The step's bits come from the same sums (from scalar
+ * popcounts, one per bit of the extras, they took 1.12-1.16x the time on Zen 5). The
+ * sums were two 64-bit multiplies by 0x0101...01 and 0x0001...0001, chosen on Zen 5;
+ * VPMULLQ is 3 uops and 15 cycles on Intel cores (instruction tables), and on a Xeon
+ * (Sapphire Rapids class) fp32 d128 torchrec-init rows decoded in 0.55-0.60x the time
+ * with the shifts (in cache, 1 thread, benchmarks.ab, both orders). Steps whose lanes
  * share one extra take shared_excl16's popcount, as at W = 32: against this path, on
- * that Xeon, torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x,
- * trained-like fp32 1.01-1.03x (its steps never qualify; the test costs),
- * trained-like fp16 0.85-1.04x. */
+ * that Xeon, torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x, trained-like fp32
+ * 1.01-1.03x (its steps never qualify; the test costs), trained-like fp16
+ * 0.85-1.04x. */
 static inline __attribute__((always_inline)) __m512i lane_excl16(uint32_t part, const step_layout *lay, __m512i excl,
                                                                  uint64_t *step_bits)
 {

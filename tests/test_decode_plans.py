@@ -1,0 +1,222 @@
+"""The AVX-512 decoders' planned paths, each against every instruction set, bit for bit:
+fields placed from a table's plan, direct steps, runs of full rows (decode_full_rows)
+and of packed rows (decode_packed_rows), with the raw and corrupt rows they hand back
+to the general decoder."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ibp_embed
+
+from helpers import assert_bits_equal, every_isa
+
+
+@pytest.mark.parametrize("outliers", [0.01, 0.002])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_decode_plans_place_fields_after_words_that_do_not_participate(word_bits, dtype, outliers):
+    """Where every word of a step has the same invariant bits, the AVX-512 decoders
+    take the fields' offsets from the plan and add W - vbits for each word below that
+    does not participate; a step whose every word participates is cut from one window,
+    shifted when words before it did not participate (at W = 16 and 32 only in tables
+    whose rows mostly have every word participating: 0.2% outliers, not 1%). Values in
+    [1, 2) share their exponent; scattered outliers (another exponent) make single
+    words, and so the fields after them, move. Every instruction set must decode the
+    table bit for bit."""
+    g = torch.Generator().manual_seed(43)
+    w = (1 + torch.rand(900, 128, generator=g)).to(dtype)
+    outliers = torch.rand(900, 128, generator=g) < outliers
+    w[outliers] = (w[outliers].float() * 1024).to(dtype)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    lengths = t.row_lengths()
+    assert t.clusters == 1 and len(np.unique(lengths)) > 3  # outliers do not participate: longer rows
+    ids = torch.randint(0, 900, (400,), generator=g)
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_decode_plans_follow_each_words_own_runs(word_bits):
+    """The AVX-512 decoders plan a table's deposits once (per cluster and word: a
+    shift per run of variable bits in each byte, and the bit values) and reuse the
+    plan while the codebook is the same. Columns with their own sign and exponent
+    give every word its own bit values; int8 bytes with variable bits 0, 2 and 4 take
+    a plan's three shifts, and with 0, 2, 4 and 6 more than a plan holds (decoded
+    without one); two tables of one shape decoded in turn must not share a plan; a
+    table of four magnitudes has a plan per cluster. Every instruction set must
+    decode all of them bit for bit."""
+    g = torch.Generator().manual_seed(41)
+    cols = torch.arange(96)
+    scale = torch.pow(2.0, (cols % 23 - 11).float()) * torch.where(cols % 3 == 0, -1.0, 1.0)
+    a = ((1 + torch.rand(700, 96, generator=g)) * scale).float()
+    b = ((1 + torch.rand(700, 96, generator=g)) * scale.flip(0)).float()
+    c = torch.randint(0, 128, (700, 96), generator=g, dtype=torch.int8)
+    # a's values with scattered outliers: words that do not participate send rows through
+    # the step loops (whole rows of participating words take decode_full_row)
+    e = torch.where(torch.rand(700, 96, generator=g) < 0.01, a * 1024, a)
+    tables = [(ibp_embed.compress(x, word_bits=word_bits), x) for x in (a, b, c & 0x15, c & 0x55, e)]
+    # rows of four magnitudes: a plan per cluster
+    d = a * torch.pow(2.0, 8.0 * (torch.arange(700) % 4)).unsqueeze(1)
+    tables.append((ibp_embed.compress(d, word_bits=word_bits, clusters=4), d))
+    assert tables[-1][0].clusters > 1
+    ids = torch.randint(0, 700, (300,), generator=g)
+    for _ in every_isa():
+        for _ in range(2):
+            for t, x in tables:
+                assert_bits_equal(t.decompress(), x)
+                assert_bits_equal(t.gather(ids), x[ids])
+
+
+@pytest.mark.parametrize("clusters", [1, 4])
+def test_runs_of_full_rows_stop_at_other_rows(clusters):
+    """Where nearly all rows have every word participating (here 97%), the AVX-512
+    decoders take them in a loop of their own (decode_full_rows), which hands a row of
+    another length or cluster, or with a word that does not participate, back to the
+    general decoder and resumes after it. fp16 d64 rows, one exponent per cluster (a
+    cluster per magnitude), an outlier in 3% of the rows; ids in order, in runs and
+    scattered. Every instruction set must decode them bit for bit."""
+    g = torch.Generator().manual_seed(53)
+    n = 3000
+    w = (1 + torch.rand(n, 64, generator=g)) * torch.pow(2.0, 4.0 * (torch.arange(n) % clusters)).unsqueeze(1)
+    odd = torch.rand(n, generator=g) < 0.03
+    w[odd, 5] /= 1024  # another exponent: its word does not participate
+    w = w.half()
+    t = ibp_embed.compress(w, word_bits=64, clusters=clusters)
+    lengths = t.row_lengths()
+    assert not t.is_raw and (t.clusters > 1) == (clusters > 1)
+    assert 0.9 < np.mean(lengths == np.bincount(lengths).argmax()) < 1  # nearly all rows full, not all
+    ids = torch.cat([torch.randint(0, n, (500,), generator=g), torch.arange(1000, 1400),
+                     torch.nonzero(odd).flatten()[:20].repeat_interleave(3)])
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
+
+
+def test_full_row_fast_path_reads_the_header():
+    """The AVX-512 decoders take a row whose every word participates straight from the
+    plan's direct steps, recognised by its length and its header. A row with a word that
+    does not participate can have the same length: here word 0 has one invariant bit
+    (its top bit), so a row whose word 0 breaks it is 1 bit longer, which the last byte
+    of a full row's bitstream (441 bits) has room for. Only the header tells them apart;
+    every instruction set must decode both kinds bit for bit."""
+    g = torch.Generator().manual_seed(47)
+    w = torch.randint(0, 2**54, (600, 8), generator=g, dtype=torch.int64)
+    w[:, 0] = torch.randint(0, 2**62, (600,), generator=g) * 2 + torch.randint(0, 2, (600,), generator=g)  # 63 bits
+    odd = torch.arange(600) % 50 == 7
+    w[odd, 0] |= -(2**63)  # the invariant top bit broken: word 0 does not participate
+    t = ibp_embed.compress(w, word_bits=64, threshold=0.9)
+    lengths = t.row_lengths()
+    assert t.clusters == 1 and not t.is_raw and len(np.unique(lengths)) == 1  # same length, either kind
+    ids = torch.randint(0, 600, (300,), generator=g)
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["float32", "float16", "int8-three-runs"])
+def test_packed_rows_loop_hands_back_raw_and_corrupt_rows(kind, word_bits):
+    """Rows of a one-cluster table whose steps all share one plan (every word the same
+    mask, as in float tables), most with words that do not participate, are decoded in
+    a loop of their own (decode_packed_rows, AVX-512): field offsets from one shared
+    extra (W = 16 float32: each half's own), direct steps where a step's words all
+    participate, a deposit of two or three shifts (int8 bytes with variable bits 0, 2
+    and 4). It hands a raw row (random bits) back to the general decoder and resumes
+    after it, and must hand back a row whose bits do not add up to its length (a
+    flipped participation bit), which is then reported. Every instruction set must
+    decode the rest bit for bit."""
+    g = torch.Generator().manual_seed(59)
+    n = 1200
+    if kind == "int8-three-runs":
+        w = torch.randint(0, 128, (n, 128), generator=g, dtype=torch.int8) & 0x15
+        odd = torch.rand(n, 128, generator=g) < 0.004
+        w[odd] |= 0x40  # a variable bit where the mask has an invariant one
+    else:
+        dtype = getattr(torch, kind)
+        w = 1 + torch.rand(n, 128 if dtype == torch.float32 else 64, generator=g)
+        odd = torch.rand(w.shape, generator=g) < 0.01
+        w[odd] *= 1024  # another exponent: the word does not participate
+        w = w.to(dtype)
+    raw_rows = torch.arange(n) % 97 == 13
+    w.view(torch.uint8)[raw_rows] = torch.randint(0, 256, w.view(torch.uint8)[raw_rows].shape, generator=g,
+                                                  dtype=torch.uint8)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    lengths = t.row_lengths()
+    assert t.clusters == 1 and not t.is_raw and np.all(lengths[raw_rows.numpy()] == t._row_bytes)
+    full = np.bincount(lengths).argmax()
+    assert np.mean(lengths == full) < 0.9  # not decode_full_rows' tables
+    ids = torch.cat([torch.arange(n), torch.randint(0, n, (700,), generator=g)])
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
+    # corrupt an encoded row in the middle of a run: flip the participation bit of the
+    # word with the most invariant bits (one bit more or less may fit the last byte)
+    bad = int(np.flatnonzero(~raw_rows.numpy())[n // 2])
+    j = int(np.argmax([bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]))
+    t._payload[int(t._row_starts()[bad]) + j // 8] ^= 1 << (j % 8)
+    for _ in every_isa():
+        with pytest.raises(ibp_embed.FormatError):
+            t.gather(torch.arange(bad - 20, bad + 20))
+        others = torch.cat([torch.arange(bad - 20, bad), torch.arange(bad + 1, bad + 20)])
+        assert_bits_equal(t.gather(others), w[others])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_packed_rows_loop_takes_raw_rows_by_their_length(word_bits):
+    """A raw row is told by its length alone: read as an encoded row, its first bytes
+    (a header's place) can name words whose fields add up to that length too. Such a
+    row, here crafted (int8 bytes whose top bit is invariant, so that a word's extra
+    is W / 8 bits), must come out as stored, from every instruction set."""
+    g = torch.Generator().manual_seed(61)
+    n, row_bytes = 800, 128
+    w = torch.randint(0, 128, (n, row_bytes), generator=g, dtype=torch.int8)
+    w[torch.rand(w.shape, generator=g) < 0.02] |= -128  # its word does not participate
+    masks = np.asarray(ibp_embed.compress(w, word_bits=word_bits).masks)[0]
+    n_words, hdr_bytes = masks.size, masks.size // 8
+    # header bits that make the bitstream of a row of row_bytes exactly end its span
+    bits, header = n_words * word_bits, 0
+    for j, m in enumerate(masks):
+        if -(-bits // 8) <= row_bytes - hdr_bytes:
+            break
+        bits -= bin(int(m)).count("1")
+        header |= 1 << j
+    assert -(-bits // 8) == row_bytes - hdr_bytes
+    crafted = torch.randint(-128, 128, (row_bytes,), generator=g, dtype=torch.int8)
+    crafted[:hdr_bytes] = torch.tensor(list(header.to_bytes(hdr_bytes, "little")), dtype=torch.uint8).view(torch.int8)
+    w[n // 2] = crafted
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert np.array_equal(np.asarray(t.masks)[0], masks) and t.row_lengths()[n // 2] == row_bytes
+    for _ in every_isa():
+        assert_bits_equal(t.gather(torch.arange(n // 2 - 10, n // 2 + 10)), w[n // 2 - 10: n // 2 + 10])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_packed_rows_loop_with_a_plan_per_step(word_bits):
+    """Packed rows whose steps each have their own plan (columns with their own
+    invariant bits: int8 columns of 1 to 7 variable bits) read each step's plan as
+    they go (at W = 16; at W = 32 and 64 a word's lanes have other extras, which the
+    general step loops take); a step whose words all participate is cut straight from
+    the bitstream at its planned bit, which, after a step of a bit count that is not a
+    whole number of bytes, lies inside a byte (0.5% outliers: about half the rows have
+    every word participating). Every instruction set must decode them bit for bit."""
+    g = torch.Generator().manual_seed(67)
+    n, dim = 1500, 128
+    top = 2 ** (1 + torch.arange(dim) % 7)
+    w = (torch.rand(n, dim, generator=g) * top).to(torch.int8)
+    odd = torch.rand(n, dim, generator=g) < 0.005
+    w[odd] |= -128
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    masks = np.asarray(t.masks)[0]
+    lanes = 512 // word_bits
+    step_bits = [sum(word_bits - bin(int(m)).count("1") for m in masks[s: s + lanes])
+                 for s in range(0, masks.size, lanes)]
+    assert t.clusters == 1 and len(set(step_bits)) > 1 and step_bits[0] % 8  # the next step starts mid-byte
+    full = np.mean(t.row_lengths() == np.bincount(t.row_lengths()).argmax())
+    assert 0.3 < full < 0.9  # direct steps tried, not decode_full_rows' tables
+    ids = torch.cat([torch.arange(n), torch.randint(0, n, (500,), generator=g)])
+    for _ in every_isa():
+        assert_bits_equal(t.decompress(), w)
+        assert_bits_equal(t.gather(ids), w[ids])
