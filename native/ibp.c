@@ -30,20 +30,35 @@ const char *ibp_error_string(int code)
     }
 }
 
+static int cpu_amd(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) &&
+           ((b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163) || /* AuthenticAMD */
+            (b == 0x6f677948 && d == 0x6e65476e && c == 0x656e6975));  /* HygonGenuine */
+#else
+    return 0;
+#endif
+}
+
 static uint64_t g_l2_bytes = (uint64_t)1 << 20;
+static int g_amd;
 
 /* Read when the library loads: a lazy read would race with concurrent callers. The
  * clamp guards against nonsense from virtual machines. */
-__attribute__((constructor)) static void l2_init(void)
+__attribute__((constructor)) static void cache_init(void)
 {
 #ifdef _SC_LEVEL2_CACHE_SIZE /* glibc */
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
     if (l2 >= (256L << 10) && l2 <= (64L << 20))
         g_l2_bytes = (uint64_t)l2;
 #endif
+    g_amd = cpu_amd();
 }
 
 uint64_t ibp_l2_bytes(void) { return g_l2_bytes; }
+int ibp_cpu_amd(void) { return g_amd; }
 
 void ibp_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
 int ibp_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
@@ -55,11 +70,7 @@ static int slow_pdep(void)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d))
-        return 0;
-    const int amd = (b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163) || /* AuthenticAMD */
-                    (b == 0x6f677948 && d == 0x6e65476e && c == 0x656e6975);  /* HygonGenuine */
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d))
+    if (!cpu_amd() || !__get_cpuid(1, &a, &b, &c, &d))
         return 0;
     const unsigned family = ((a >> 8) & 0xf) == 0xf ? 0xf + ((a >> 20) & 0xff) : (a >> 8) & 0xf;
     return family == 0x17 || family == 0x18;

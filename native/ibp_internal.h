@@ -54,6 +54,9 @@ int ibp_threads(void);
 /* Bytes of one core's L2 cache (sysconf; 1 MB where the system does not say): up to
  * that size float32 rows are pooled without prefetching (ibp_pool.inc). */
 uint64_t ibp_l2_bytes(void);
+/* Whether the CPU is AMD's (or Hygon's): how far pooled rows may lie without
+ * prefetches differs from Intel's cores (ibp_pool.inc). */
+int ibp_cpu_amd(void);
 /* The row kernels of the instruction set in use (ibp.c). */
 const ibp_kernels *ibp_active_kernels(void);
 
