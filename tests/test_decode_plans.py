@@ -220,3 +220,27 @@ def test_packed_rows_loop_with_a_plan_per_step(word_bits):
     for _ in every_isa():
         assert_bits_equal(t.decompress(), w)
         assert_bits_equal(t.gather(ids), w[ids])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+@pytest.mark.parametrize("outliers", [0.05, 0.002])
+def test_packed_rows_loop_from_memory(word_bits, outliers):
+    """Rows gathered into more than L2 holds (4.6 MB on 1 thread) are decoded by the
+    packed loop's variant for rows from memory (two-level prefetches), which tries
+    the steps' direct forms only in tables where 85% of the steps or more are direct
+    (direct_when_cold): with 5% outliers about 40% of the W = 64 steps are, with
+    0.2% 97% (and 77% of the rows are whole). Every instruction set must decode them
+    bit for bit."""
+    from io_cases import single_thread
+
+    g = torch.Generator().manual_seed(71)
+    n = 3000
+    w = 1 + torch.rand(n, 128, generator=g)
+    odd = torch.rand(w.shape, generator=g) < outliers
+    w[odd] *= 1024  # another exponent: the word does not participate
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert t.clusters == 1 and not t.is_raw
+    ids = torch.randint(0, n, (9000,), generator=g)
+    with single_thread():
+        for _ in every_isa():
+            assert_bits_equal(t.gather(ids), w[ids])
