@@ -227,7 +227,7 @@ def test_packed_rows_loop_with_a_plan_per_step(word_bits):
 def test_packed_rows_loop_from_memory(word_bits, outliers):
     """Rows gathered into more than L2 holds (4.6 MB on 1 thread) are decoded by the
     packed loop's variant for rows from memory (two-level prefetches), which tries
-    the steps' direct forms only in tables where 85% of the steps or more are direct
+    the steps' direct forms only in tables where 80% of the steps or more are direct
     (direct_when_cold): with 5% outliers about 40% of the W = 64 steps are, with
     0.2% 97% (and 77% of the rows are whole). Every instruction set must decode them
     bit for bit."""
