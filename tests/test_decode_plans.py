@@ -228,9 +228,12 @@ def test_packed_rows_loop_from_memory(word_bits, outliers):
     """Rows gathered into more than L2 holds (4.6 MB on 1 thread) are decoded by the
     packed loop's variant for rows from memory (two-level prefetches), which tries
     the steps' direct forms only in tables where 80% of the steps or more are direct
-    (direct_when_cold): with 5% outliers about 40% of the W = 64 steps are, with
-    0.2% 97% (and 77% of the rows are whole). Every instruction set must decode them
-    bit for bit."""
+    (direct_when_cold): at W = 64 5% outliers leave about 40% of the steps direct
+    (their general steps then take every step, whole ones too), 0.2% 97% (direct
+    steps taken; at W = 32 too, where 77% of the rows are whole). At W = 16, and W =
+    32 with 5%, few rows are whole and direct steps are off: the general steps
+    alone. Every instruction set must decode them bit for bit (the direct share
+    itself only moves speed)."""
     from io_cases import single_thread
 
     g = torch.Generator().manual_seed(71)
