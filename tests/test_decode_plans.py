@@ -118,15 +118,15 @@ def test_full_row_fast_path_reads_the_header():
 
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
 @pytest.mark.parametrize("kind", ["float32", "float16", "int8-three-runs"])
-def test_packed_rows_loop_hands_back_raw_and_corrupt_rows(kind, word_bits):
+def test_packed_rows_loop_copies_raw_and_hands_back_corrupt_rows(kind, word_bits):
     """Rows of a one-cluster table whose steps all share one plan (every word the same
     mask, as in float tables), most with words that do not participate, are decoded in
     a loop of their own (decode_packed_rows, AVX-512): field offsets from one shared
     extra (W = 16 float32: each half's own), direct steps where a step's words all
     participate, a deposit of two or three shifts (int8 bytes with variable bits 0, 2
-    and 4). It hands a raw row (random bits) back to the general decoder and resumes
-    after it, and must hand back a row whose bits do not add up to its length (a
-    flipped participation bit), which is then reported. Every instruction set must
+    and 4). It copies a raw row (random bits) as stored and goes on, and must hand
+    back a row whose bits do not add up to its length (a flipped participation bit),
+    for the general decoder to report. Every instruction set must
     decode the rest bit for bit."""
     g = torch.Generator().manual_seed(59)
     n = 1200
