@@ -38,6 +38,25 @@ def every_isa():
         lib.ibp_set_isa(before)
 
 
+def assert_decodes(table, want: torch.Tensor, ids=None):
+    """libibp decodes rows `ids` of table (None: every row) to exactly want's bytes, into
+    a buffer first filled with their complement: a byte a decoder leaves unwritten
+    fails too. (gather's and decompress's np.empty can hand back the buffer that the
+    previous instruction set of every_isa filled correctly.)"""
+    from ibp_embed import _native
+
+    want_bytes = want.contiguous().view(torch.uint8).numpy().reshape(want.shape[0], -1)
+    out = np.ascontiguousarray(~want_bytes)
+    if ids is None:
+        rc = table._native_decode(_native.ffi.NULL, 0, _native.ptr(out, "uint8_t *"))
+    else:
+        idx = np.ascontiguousarray(torch.as_tensor(ids).numpy(), dtype=np.int64)
+        assert idx.shape == (want.shape[0],)
+        rc = table._native_decode(_native.ptr(idx, "const int64_t *"), idx.size, _native.ptr(out, "uint8_t *"))
+    _native.check(rc, "decode")
+    assert np.array_equal(out, want_bytes)
+
+
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor):
     """Same dtype, shape and bytes (NaN payloads, signed zeros and all)."""
     assert got.dtype == want.dtype
