@@ -38,14 +38,20 @@ def every_isa():
         lib.ibp_set_isa(before)
 
 
-def assert_decodes(table, want: torch.Tensor, ids=None):
-    """libibp decodes rows `ids` of table (None: every row) to exactly want's bytes, into
-    a buffer first filled with their complement: a byte a decoder leaves unwritten
-    fails too. (gather's and decompress's np.empty can hand back the buffer that the
-    previous instruction set of every_isa filled correctly.)"""
+def assert_decodes(table, want, ids=None, msg=None):
+    """libibp decodes rows `ids` of table (None: every row) to exactly want's bytes (want:
+    a tensor of rows, or their uint8 bytes), into a buffer first filled with their
+    complement: a byte a decoder leaves unwritten fails too. (gather's and decompress's
+    np.empty can hand back the buffer that the previous instruction set filled
+    correctly.)"""
     from ibp_embed import _native
 
-    want_bytes = want.contiguous().view(torch.uint8).numpy().reshape(want.shape[0], -1)
+    if isinstance(want, torch.Tensor):
+        want = want.contiguous().view(torch.uint8).numpy()
+    want_bytes = np.asarray(want, dtype=np.uint8)
+    assert want_bytes.ndim == 2
+    if not want_bytes.shape[0]:  # decompress and gather make no call either
+        return
     out = np.ascontiguousarray(~want_bytes)
     if ids is None:
         rc = table._native_decode(_native.ffi.NULL, 0, _native.ptr(out, "uint8_t *"))
@@ -54,7 +60,7 @@ def assert_decodes(table, want: torch.Tensor, ids=None):
         assert idx.shape == (want.shape[0],)
         rc = table._native_decode(_native.ptr(idx, "const int64_t *"), idx.size, _native.ptr(out, "uint8_t *"))
     _native.check(rc, "decode")
-    assert np.array_equal(out, want_bytes)
+    assert np.array_equal(out, want_bytes), msg
 
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor):
