@@ -8,9 +8,13 @@ x86-64-v3 with bit loops for CPUs that microcode pdep, or portable C); each can 
 forced (`ibp_set_isa`), so one process can time them all on the same tables. Per
 table (torchrec init and trained-like, each dtype and word size), 1,000 rows spread
 over the table are decoded into a buffer that stays in cache, 1 thread; the sets'
-calls alternate in each round, so a change of machine load hits them alike. Their
-outputs must be bit-identical. Results: a markdown table of ns a row (min over the
-rounds, and GB/s of decoded rows) and benchmarks/results/kernels-<UTC time>.json.
+calls alternate in each round, so a change of machine load hits them alike. Each
+call takes the rows in a new order (one of common.FRESH_ORDERS, in turn), as a
+lookup's distinct rows are new to the branch predictor in every batch; the same
+rows in the same order every call ("repeated"), whose branches the predictor
+learns, are timed too. Their outputs must be bit-identical. Results: markdown
+tables of ns a row (min over the rounds, and GB/s of decoded rows) and
+benchmarks/results/kernels-<UTC time>.json.
 """
 from __future__ import annotations
 
@@ -29,22 +33,27 @@ CASES = ((torch.float32, 128), (torch.float16, 64))
 INITS = ("torchrec", "trained")
 WORD_BITS = (16, 32, 64)
 DECODED_ROWS = 1000
+MODES = {"fresh": "rows in a new order every call (as a lookup's rows)",
+         "repeated": "the same rows in the same order every call (branches learnt)"}
 
 
-def time_sets(table, sets: dict, repeats: int) -> dict:
-    """{set name: min seconds of one decode call} on `table`, sets alternating per round."""
+def time_sets(table, sets: dict, repeats: int, fresh: bool) -> dict:
+    """{set name: min seconds of one decode call} on `table`, sets alternating per round;
+    fresh: each call's rows in a new order (see the module doc)."""
     lib, ffi = _native.lib, _native.ffi
     ids = np.linspace(0, table.shape[0] - 1, DECODED_ROWS).astype(np.int64)
+    orders = common.fresh_orders(ids) if fresh else [ids]
     outs = {name: np.empty((ids.size, table._row_bytes), np.uint8) for name in sets}
 
-    def call(name, isa):
-        args = (table._c, ffi.cast("const int64_t *", ids.ctypes.data), ids.size,
+    def call(name, isa, order):
+        args = (table._c, ffi.cast("const int64_t *", order.ctypes.data), order.size,
                 ffi.cast("uint8_t *", outs[name].ctypes.data))
         return lambda: (lib.ibp_set_isa(isa), _native.check(lib.ibp_decode(*args), "decode"))
 
     picked = lib.ibp_isa()
-    try:
-        got = common.time_interleaved({name: call(name, isa) for name, isa in sets.items()}, repeats=repeats)
+    try:  # every set makes as many calls, so each ends on the same order
+        got = common.time_interleaved({name: common.in_turn([call(name, isa, o) for o in orders])
+                                       for name, isa in sets.items()}, repeats=repeats)
     finally:
         lib.ibp_set_isa(picked)
     first = next(iter(outs.values()))
@@ -71,7 +80,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     _native.lib.ibp_set_num_threads(1)
     sets = _native.runnable_kernel_sets()
-    rows, runs = [], []
+    rows, runs = {mode: [] for mode in MODES}, []
     for init in INITS:
         for dtype, dim in CASES:
             weights = (datasets.make_trained_like_table(args.rows, dim, dtype) if init == "trained" else
@@ -79,15 +88,21 @@ def main(argv=None) -> dict:
             for w in WORD_BITS:
                 print(f"[kernels] {init} {dtype} d{dim} W = {w}", file=sys.stderr, flush=True)
                 table = compress(weights, word_bits=w, progress=False)
-                secs = time_sets(table, sets, args.repeats)
-                ns = {name: s / DECODED_ROWS * 1e9 for name, s in secs.items()}
-                runs.append({"init": init, "dtype": str(dtype), "dim": dim, "word_bits": w, "ns_per_row": ns})
-                rows.append([init, f"{str(dtype)[6:]} d{dim}", w] +
-                            [f"{common.fmt(v, 1)} ({common.fmt(table._row_bytes / v, 1)})" for v in ns.values()])
+                ns = {mode: {name: sec / DECODED_ROWS * 1e9
+                             for name, sec in time_sets(table, sets, args.repeats, mode == "fresh").items()}
+                      for mode in MODES}
+                runs.append({"init": init, "dtype": str(dtype), "dim": dim, "word_bits": w,
+                             "ns_per_row_fresh": ns["fresh"], "ns_per_row_repeated": ns["repeated"]})
+                for mode in MODES:
+                    rows[mode].append([init, f"{str(dtype)[6:]} d{dim}", w] +
+                                      [f"{common.fmt(v, 1)} ({common.fmt(table._row_bytes / v, 1)})"
+                                       for v in ns[mode].values()])
     picked = next(name for name, isa in sets.items() if isa == _native.lib.ibp_isa())
     print(f"ns a row (GB/s of decoded rows), {args.rows} rows, {DECODED_ROWS} decoded, min of {args.repeats} "
-          f"rounds, 1 thread; libibp picked {picked}; load average {common.load_average()}\n")
-    print(common.markdown_table(["init", "table", "W", *sets], rows))
+          f"rounds, 1 thread; libibp picked {picked}; load average {common.load_average()}")
+    for mode, title in MODES.items():
+        print(f"\n{title}\n")
+        print(common.markdown_table(["init", "table", "W", *sets], rows[mode]))
     result = {"machine": common.machine_info(), "config": vars(args) | {"sets": sets}, "runs": runs}
     path = common.write_json(result, "kernels", results_dir=args.results_dir)
     print(f"\nresults: {path}")
