@@ -160,9 +160,9 @@ static inline step_prefetch step_prefetch_none(const uint8_t *row, int l2)
  * predictor cannot learn: fp16 d64 rows of 114 bytes span two lines or three by
  * where they start. Rows in cache in a new order every call (benchmarks.ab
  * decode-fresh, 1 thread, both orders and the builds swapped; a Zen 4 EPYC): fp16
- * d64 torchrec init W = 64 (decode_full_rows) 0.86-0.92x the time; rows from memory
- * (decode-cold) 0.97-1.01x. The spare line, not the row's last line again: 0.96-0.98x
- * the time from memory. */
+ * d64 torchrec init W = 64 (decode_full_rows) 0.86-0.99x the time; rows from memory
+ * (decode-cold) 0.93-1.06x, noise. The spare line, not the row's last line again:
+ * 0.96-0.98x the time from memory. */
 static inline void step_prefetch_line(step_prefetch *pf)
 {
     if (pf) {
