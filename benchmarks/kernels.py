@@ -66,7 +66,9 @@ def time_sets(table, sets: dict, repeats: int, fresh: bool) -> dict:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=101_312, help="table rows (default: the quick set's 101k table)")
-    p.add_argument("--repeats", type=int, default=40, help="timed rounds (default 40)")
+    # a round (every set once) takes 0.15-0.75 ms: in two runs of 40 rounds (the default
+    # until 7905ef3) on a shared host, a table of each came out 1.4x its time in the others
+    p.add_argument("--repeats", type=int, default=200, help="timed rounds (default 200)")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
     for name in ("rows", "repeats"):
