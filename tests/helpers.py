@@ -25,35 +25,46 @@ def kernel_sets() -> list[int]:
     return list(runnable_kernel_sets().values())
 
 
+_poisoned = {"depth": 0, "real": None}  # poisoned_empty's nesting, and what it replaced
+
+
 @contextlib.contextmanager
 def poisoned_empty():
     """Inside, torch.empty and np.empty return filled memory (NaN where the dtype is a
     float, 0xA5 bytes otherwise): an output that a kernel leaves unwritten then fails
     its check, instead of holding what an earlier call wrote into the same freed block
-    (glibc hands a freed block of the same size back)."""
-    real_torch, real_np = torch.empty, np.empty
+    (glibc hands a freed block of the same size back). Booleans read 0xA5 as True: only
+    a byte comparison (assert_bits_equal, assert_decodes) sees an unwritten True.
+    Reentrant: nested or interleaved uses patch once and restore once."""
+    if not _poisoned["depth"]:
+        real_torch, real_np = _poisoned["real"] = torch.empty, np.empty
 
-    def torch_empty(*args, **kwargs):
-        x = real_torch(*args, **kwargs)
-        if x.is_floating_point():
-            x.fill_(float("nan"))
-        elif x.numel() and x.is_contiguous() and x.dim():
-            x.view(torch.uint8).fill_(0xA5)
-        return x
+        def torch_empty(*args, **kwargs):
+            x = real_torch(*args, **kwargs)
+            with torch.no_grad():  # library code makes leaf tensors that require grad
+                if x.is_floating_point():
+                    x.fill_(float("nan"))
+                elif x.numel() and x.is_contiguous() and x.dim():
+                    x.view(torch.uint8).fill_(0xA5)
+            return x
 
-    def np_empty(*args, **kwargs):
-        x = real_np(*args, **kwargs)
-        if x.dtype.kind in "fc":
-            x.fill(np.nan)
-        elif x.size and x.ndim and (x.flags.c_contiguous or x.flags.f_contiguous) and x.dtype.kind in "biuV":
-            x.view(np.uint8).fill(0xA5)
-        return x
+        def np_empty(*args, **kwargs):
+            x = real_np(*args, **kwargs)
+            if x.dtype.kind in "fc":
+                x.fill(np.nan)
+            elif x.size and x.dtype.kind in "biuV" and not x.dtype.hasobject and (x.flags.c_contiguous or
+                                                                                  x.flags.f_contiguous):
+                x.ravel(order="K").view(np.uint8).fill(0xA5)
+            return x
 
-    torch.empty, np.empty = torch_empty, np_empty
+        torch.empty, np.empty = torch_empty, np_empty
+    _poisoned["depth"] += 1
     try:
         yield
     finally:
-        torch.empty, np.empty = real_torch, real_np
+        _poisoned["depth"] -= 1
+        if not _poisoned["depth"]:
+            torch.empty, np.empty = _poisoned["real"]
 
 
 def every_isa():
