@@ -179,10 +179,7 @@ static inline void step_prefetch_line(step_prefetch *pf)
  * prefetches (as many as the longest rows span), the last line again where the row
  * spans fewer: no loop exit that depends on the row's length and place, as
  * prefetch_lines has (see step_prefetch_line). The address is clamped (a CMOV): GCC
- * made a branch of a choice between the line and a spare one. The packed rows' loop,
- * rows in cache in a new order every call (benchmarks.ab decode-fresh, as there): fp32
- * d64 W = 64 0.82-0.95x the time, trained-like fp32 d128 W = 32 0.92-0.95x, fp32 d128
- * W = 64 0.98-1.01x. */
+ * made a branch of a choice between the line and a spare one. */
 static inline void prefetch_lines_fixed(const uint8_t *payload, uint64_t start, uint64_t len, uint32_t lines,
                                         int l2)
 {
@@ -195,6 +192,26 @@ static inline void prefetch_lines_fixed(const uint8_t *payload, uint64_t start, 
         else
             __builtin_prefetch(payload + at);
     }
+}
+
+/* Prefetch a row stored at bytes [start, start + len) of payload, of a table of R-byte
+ * rows (R a constant per table: the test is one the predictor learns). Rows of up to
+ * IBP_FIXED_PREFETCH_BYTES take prefetch_lines_fixed: in cache in a new order every call
+ * (benchmarks.ab decode-fresh, 1 thread, both orders and the builds swapped; a Zen 4),
+ * the packed rows' loop took fp32 d64 W = 64 0.82-0.95x the time, trained-like fp32
+ * d128 W = 32 0.92-0.95x, fp32 d128 W = 64 0.98-1.01x. Longer rows, where none was
+ * measured to gain, keep the loop: one exit a row over many lines costs little, and
+ * the fixed count repeats the last line. fp32 d384 lookups (B4096 x P20 Zipf 1.05,
+ * 101k rows), the loop against the fixed count: 0.93-0.96x the time in one run (the
+ * builds in both positions), 0.87-1.09x in another (the position effect), noise in
+ * processes of their own. */
+#define IBP_FIXED_PREFETCH_BYTES 512
+static inline void prefetch_row(const uint8_t *payload, uint64_t start, uint64_t len, uint64_t R, int l2)
+{
+    if (R <= IBP_FIXED_PREFETCH_BYTES)
+        prefetch_lines_fixed(payload, start, len, (uint32_t)((R + 63) / 64 + 1), l2);
+    else
+        prefetch_lines(payload, start, len, l2);
 }
 
 #endif /* IBP_INTERNAL_H */
