@@ -17,7 +17,11 @@ Measurements, 1 thread, each call of A followed by the same call of B:
 - `decode-cold`: every 5th row of the table, a 64 MiB buffer written before each call;
 - `encode`: rows 0..m of the table encoded again with its codebook (rows that stay in cache;
   the call includes zeroing the payload, which encode ORs into);
-- `lookup`: one pooled lookup (sum) of a B x P batch of Zipf or uniform ids.
+- `lookup`: one pooled lookup (sum) of a B x P batch of Zipf or uniform ids;
+- `lookup-fresh`: the same with another batch every call (LOOKUP_BATCHES of them, in
+  turn): one batch again and again lets the predictor learn the branches of its rows'
+  decode (bf16 d128 torchrec-init rows decoded 1.13-1.25x slower without the direct
+  steps in one order every call, 0.75-0.81x in a new one).
 
 Timing two builds on the same input one after the other favours the second, which finds
 what the first left in cache (15-20% on fp16 tables that nearly fit the cache), so every
@@ -65,7 +69,8 @@ from ibp_embed.dtypes import LOOKUP_DTYPES
 
 from . import common
 
-WHAT = ("decode", "decode-fresh", "decode-cold", "encode", "lookup")
+WHAT = ("decode", "decode-fresh", "decode-cold", "encode", "lookup", "lookup-fresh")
+LOOKUP_BATCHES = 8
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLUSH_BYTES = 64 << 20
 
@@ -182,46 +187,49 @@ def make_table(args):
     return compress(weights, word_bits=args.word_bits, progress=False)
 
 
+def same_outputs(each: dict, outs: dict) -> None:
+    """Every input of a call that takes several in turn (each[build][i]), by both
+    builds: their outputs must be equal for each (the timing compares the last one's)."""
+    for calls in zip(*each.values()):
+        for call in calls:
+            call()
+        if not np.array_equal(*outs.values()):
+            raise SystemExit("ab: the two builds' outputs differ")
+
+
 def measure(what: str, libs: dict, table, args, orders=(("A", "B"), ("B", "A"))) -> list[dict]:
     """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ..., 'digest': ...}, ...]
     (the digest of the outputs, equal for both builds)."""
     dtype = DTYPES[args.dtype]
     flush = None
-    if what == "lookup":
+    if what in ("lookup", "lookup-fresh"):
         n = args.batch * args.pooling
-        ids = (datasets.zipf_ids(n, args.rows, args.alpha, seed=1, perm_seed=3) if args.dist == "zipf" else
-               datasets.uniform_ids(n, args.rows, seed=1)).numpy().astype(np.int64)
+        batches = [(datasets.zipf_ids(n, args.rows, args.alpha, seed=s, perm_seed=3) if args.dist == "zipf" else
+                    datasets.uniform_ids(n, args.rows, seed=s)).numpy().astype(np.int64)
+                   for s in range(1, 1 + (LOOKUP_BATCHES if what == "lookup-fresh" else 1))]
+        ids = batches[0]
         offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
         outs = {k: np.empty((args.batch, args.dim), np.float32) for k in libs}
-        calls = {k: lookup_call(lib, table, dtype, ids, offsets, outs[k]) for k, lib in libs.items()}
+        each = {k: [lookup_call(lib, table, dtype, b, offsets, outs[k]) for b in batches] for k, lib in libs.items()}
     elif what == "encode":
         m = min(args.rows, args.cached_rows)
         ids = np.arange(m, dtype=np.int64)
         rows = np.ascontiguousarray(table.decompress()[:m].contiguous().view(torch.uint8).numpy())
         size = int(table.row_lengths()[:m].sum()) + 64
         outs = {k: np.empty(size, np.uint8) for k in libs}
-        calls = {k: encode_call(lib, table, rows, outs[k]) for k, lib in libs.items()}
+        each = {k: [encode_call(lib, table, rows, outs[k])] for k, lib in libs.items()}
     else:
         ids = (np.arange(0, args.rows, 5) if what == "decode-cold" else
                np.arange(min(args.rows, args.cached_rows))).astype(np.int64)
         outs = {k: np.empty((ids.size, args.dim * dtype.itemsize), np.uint8) for k in libs}
         row_orders = common.fresh_orders(ids) if what == "decode-fresh" else [ids]
-        if len(libs) == 2 and len(row_orders) > 1:  # the timing compares the last order's outputs only
-            for o in row_orders:
-                for k, lib in libs.items():
-                    decode_call(lib, table, o, outs[k])()
-                if not np.array_equal(*outs.values()):
-                    raise SystemExit("ab: the two builds' outputs differ")
-
-        def decode_calls():
-            return {k: common.in_turn([decode_call(lib, table, o, outs[k]) for o in row_orders])
-                    for k, lib in libs.items()}
-        calls = decode_calls()
+        each = {k: [decode_call(lib, table, o, outs[k]) for o in row_orders] for k, lib in libs.items()}
         flush = np.zeros(FLUSH_BYTES, np.uint8) if what == "decode-cold" else None
+    if len(libs) == 2 and len(next(iter(each.values()))) > 1:  # a new order or batch every call
+        same_outputs(each, outs)
     results = []
     for order in orders:
-        if what == "decode-fresh":  # both builds from the first row order again: both end on the same one
-            calls = decode_calls()
+        calls = {k: common.in_turn(each[k]) for k in each}  # both builds from the first input: both end on the same
         got = time_pair({k: calls[k] for k in order}, outs, args.repeats, flush)
         results.append({"order": ", ".join(order), **got, "units": ids.size, "digest": digest(outs[order[0]])})
     return results
