@@ -27,9 +27,9 @@ def test_two_built_libraries_in_both_orders(tmp_path):
         assert [r["order"] for r in orders] == ["A, B", "B, A"]
         for r in orders:
             assert r["A"]["min_s"] > 0 and r["B"]["min_s"] > 0 and r["units"] > 0
-    for fresh, same in (("decode-fresh", "decode"), ("lookup-fresh", "lookup")):  # a new order or batch every
-        fresh = got["runs"][fresh]  # call, both orders ending on the same one
-        assert fresh[0]["digest"] == fresh[1]["digest"] and fresh[0]["digest"] != got["runs"][same][0]["digest"]
+    for fresh, same in (("decode-fresh", "decode"), ("lookup-fresh", "lookup")):
+        runs = got["runs"][fresh]  # a new order or batch every call, both orders ending on the same one
+        assert runs[0]["digest"] == runs[1]["digest"] and runs[0]["digest"] != got["runs"][same][0]["digest"]
     saved = json.loads(next(tmp_path.glob("ab-*.json")).read_text())
     assert saved["config"]["dtype"] == "float16" and saved["config"]["word_bits"] == 16
 

@@ -140,10 +140,10 @@ def test_packed_rows_loop_copies_raw_and_hands_back_corrupt_rows(kind, word_bits
     a loop of their own (decode_packed_rows, AVX-512): field offsets from one shared
     extra (W = 16 float32: each half's own), direct steps where a step's words all
     participate (in tables where 80% of the steps are such: fewer outliers), a deposit
-    of two or three shifts (int8 bytes with variable bits 0, 2 and 4). It copies a raw row (random bits) as stored and goes on, and must hand
-    back a row whose bits do not add up to its length (a flipped participation bit),
-    for the general decoder to report. Every instruction set must
-    decode the rest bit for bit."""
+    of two or three shifts (int8 bytes with variable bits 0, 2 and 4). It copies a raw
+    row (random bits) as stored and goes on, and must hand back a row whose bits do not
+    add up to its length (a flipped participation bit), for the general decoder to
+    report. Every instruction set must decode the rest bit for bit."""
     g = torch.Generator().manual_seed(59)
     n = 1200
     if kind == "int8-three-runs":
