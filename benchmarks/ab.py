@@ -184,7 +184,7 @@ def make_table(args):
     dtype = DTYPES[args.dtype]
     weights = (datasets.make_trained_like_table(args.rows, args.dim, dtype) if args.init == "trained" else
                datasets.make_table(args.rows, args.dim, dtype, init=args.init))
-    return compress(weights, word_bits=args.word_bits, progress=False)
+    return compress(weights, word_bits=args.word_bits, clusters=args.clusters, progress=False)
 
 
 def same_outputs(each: dict, outs: dict) -> None:
@@ -303,6 +303,7 @@ def parse(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--init", choices=("torchrec", "normal", "trained"), default="torchrec")
     p.add_argument("--word-bits", type=int, choices=(16, 32, 64), help="default: compress picks")
+    p.add_argument("--clusters", type=int, default=1, help="the most clusters compress may keep (default 1)")
     p.add_argument("--rows", type=int, default=101_312, help="table rows (default: the quick set's 101k table)")
     p.add_argument("--cached-rows", type=int, default=1000, help="rows decoded by `decode` and `decode-fresh` (default 1000)")
     p.add_argument("--batch", type=int, default=4096)
@@ -325,7 +326,7 @@ def parse(argv=None):
     bad = [w for w in args.what if w not in WHAT]
     if bad:
         p.error(f"unknown --what {', '.join(bad)}; choose from {', '.join(WHAT)}")
-    for name in ("dim", "rows", "cached_rows", "batch", "pooling", "repeats"):
+    for name in ("dim", "rows", "cached_rows", "batch", "pooling", "repeats", "clusters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     return args
@@ -371,7 +372,7 @@ def main(argv=None) -> dict | None:
                          common.fmt(b["median_s"] * 1e3, 3), common.fmt(b["median_s"] / a["median_s"], 3)])
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     print(f"A = {args.a}, B = {args.b}; {args.dtype} d{args.dim} {args.init}, {args.rows} rows, "
-          f"W {args.word_bits or 'auto'}; {args.isa or 'best'} kernels; 1 thread"
+          f"W {args.word_bits or 'auto'}, K <= {args.clusters}; {args.isa or 'best'} kernels; 1 thread"
           f"{'; a process per build' if args.isolated else ''}"
           f"{'; swapped: the same in a process that loads B first' if args.swapped else ''}; "
           f"load average {common.load_average()}\n")

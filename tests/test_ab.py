@@ -86,6 +86,14 @@ def test_bad_builds_and_options_are_refused(tmp_path):
         ab.main([str(tmp_path / "missing.so"), *TINY])
     with pytest.raises(SystemExit, match="git archive"):
         ab.main(["no-such-revision-xyz", *TINY])
-    for bad in (["--what", "decode,squeeze"], ["--repeats", "0"], ["--rows", "-5"]):
+    for bad in (["--what", "decode,squeeze"], ["--repeats", "0"], ["--rows", "-5"], ["--clusters", "0"]):
         with pytest.raises(SystemExit):
             ab.parse(["HEAD", *bad])
+
+
+def test_clusters_option_reaches_compress(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ab, "compress", lambda weights, **kw: seen.append(kw["clusters"]))
+    for extra, clusters in (([], 1), (["--clusters", "4"], 4)):
+        ab.make_table(ab.parse(["HEAD", *TINY, *extra]))
+        assert seen.pop() == clusters
