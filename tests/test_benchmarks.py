@@ -76,7 +76,7 @@ def test_plan_takes_any_dims_and_refuses_an_empty_one(capsys):
     assert [(ts.dtype, ts.dims[0], ts.init) for ts, _ in sets] == [(torch.float16, 384, "torchrec"),
                                                                    (torch.float16, 64, "torchrec")]
     quick = plan(L.parse_args(["--quick", "--dtypes", "fp32"]))
-    assert [(ts.dims[0], ts.init) for ts, _ in quick] == [(128, "torchrec"), (128, "trained")]
+    assert [(ts.dims[0], ts.init) for ts, _ in quick] == [(128, "torchrec"), (128, "trained"), (64, "torchrec")]
     for bad in (["--quick", "--dims", "384"], ["--dims", "0"], ["--dims", "x"], ["--inits", "normal"]):
         with pytest.raises(SystemExit):
             L.parse_args(bad)

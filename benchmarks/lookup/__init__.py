@@ -13,7 +13,8 @@ weights: "torchrec" (TorchRec's default init, uniform(+-sqrt(1/n)), datasets.mak
 "trained-like" (datasets.make_trained_like_table: a synthetic imitation, not a trained
 table; its hot rows are the rows the Zipf ids draw most). Full run: all 12 sets, or every
 combination of --dtypes, --dims (any, e.g. 384) and --inits; quick: fp32 d128 torchrec /
-trained-like, fp16 d64 torchrec, bf16 d64 trained-like (those of them the three select).
+trained-like, fp32 d64 and fp16 d64 torchrec, bf16 d64 trained-like (those of them the
+three select).
 --trained-tables DIR adds the tables found under DIR: *.ibp files (ibp_embed.load, e.g. a
 save_compressed checkpoint) and *.pt/*.pth files holding a plain (unsharded) state_dict, or
 a dict containing one, whose 2-D floating tensors with "embedding" in their key are the
