@@ -329,6 +329,8 @@ def parse(argv=None):
     for name in ("dim", "rows", "cached_rows", "batch", "pooling", "repeats", "clusters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.clusters > 256:
+        p.error(f"--clusters must be at most 256 (the format's limit), not {args.clusters}")
     return args
 
 

@@ -86,7 +86,8 @@ def test_bad_builds_and_options_are_refused(tmp_path):
         ab.main([str(tmp_path / "missing.so"), *TINY])
     with pytest.raises(SystemExit, match="git archive"):
         ab.main(["no-such-revision-xyz", *TINY])
-    for bad in (["--what", "decode,squeeze"], ["--repeats", "0"], ["--rows", "-5"], ["--clusters", "0"]):
+    for bad in (["--what", "decode,squeeze"], ["--repeats", "0"], ["--rows", "-5"], ["--clusters", "0"],
+                ["--clusters", "257"]):
         with pytest.raises(SystemExit):
             ab.parse(["HEAD", *bad])
 

@@ -18,13 +18,15 @@ from .tables import TableSet, criteo_rows, trained_table_sets
 from .workloads import CENTER, QUICK_SWEEP, SWEEP, UNIFORM, Workload
 
 
+QUICK_SETS = (("fp32", 128, "torchrec"), ("fp32", 128, "trained"), ("fp32", 64, "torchrec"),
+              ("fp16", 64, "torchrec"), ("bf16", 64, "trained"))  # (dtype, dim, init)
+
+
 def plan(args) -> list[tuple[TableSet, list[Workload]]]:
     rows = criteo_rows(args.scale)
     sets = []
     if args.quick:
-        combos = [("fp32", 128, "torchrec"), ("fp32", 128, "trained"), ("fp32", 64, "torchrec"),
-                  ("fp16", 64, "torchrec"), ("bf16", 64, "trained")]
-        combos = [c for c in combos if c[0] in args.dtypes and c[1] in args.dims and c[2] in args.inits]
+        combos = [c for c in QUICK_SETS if c[0] in args.dtypes and c[1] in args.dims and c[2] in args.inits]
     else:  # every combination asked for (the targets span dims 64-384)
         combos = [(dt, d, init) for init in args.inits for dt in args.dtypes for d in args.dims]
     for dt, d, init in combos:
@@ -82,9 +84,9 @@ def parse_args(argv=None):
         if x not in ("torchrec", "trained"):
             p.error(f"--inits: {x!r} is not one of ['torchrec', 'trained']")
     if not a.trained_tables and not plan(a):
-        p.error("no table set matches --dtypes, --dims and --inits (--quick runs only fp32 d128 torchrec and "
-                "trained-like, fp32 d64 and fp16 d64 torchrec and bf16 d64 trained-like; drop --quick for other "
-                "dims)")
+        quick = ", ".join(f"{dt} d{d} {init}" for dt, d, init in QUICK_SETS)
+        p.error(f"no table set matches --dtypes, --dims and --inits (--quick runs only {quick}; drop --quick "
+                "for other dims)")
     return a
 
 
