@@ -253,7 +253,9 @@ def test_packed_rows_loop_from_memory(word_bits, outliers):
     steps taken; at W = 32 too, where 77% of the rows are whole). At W = 16, and W =
     32 with 5%, few rows are whole and direct steps are off: the general steps
     alone. Every instruction set must decode them bit for bit (the direct share
-    itself only moves speed)."""
+    itself only moves speed), copy a raw row (random bits) as stored and go on, and
+    report a row whose bits do not add up to its length, among rows from memory as
+    among rows in cache (test_packed_rows_loop_copies_raw_and_hands_back_corrupt_rows)."""
     from io_cases import single_thread
 
     g = torch.Generator().manual_seed(71)
@@ -261,9 +263,23 @@ def test_packed_rows_loop_from_memory(word_bits, outliers):
     w = 1 + torch.rand(n, 128, generator=g)
     odd = torch.rand(w.shape, generator=g) < outliers
     w[odd] *= 1024  # another exponent: the word does not participate
+    raw_rows = torch.arange(n) % 97 == 13
+    w.view(torch.uint8)[raw_rows] = torch.randint(0, 256, w.view(torch.uint8)[raw_rows].shape, generator=g,
+                                                  dtype=torch.uint8)
     t = ibp_embed.compress(w, word_bits=word_bits)
-    assert t.clusters == 1 and not t.is_raw
+    assert t.clusters == 1 and not t.is_raw and np.all(t.row_lengths()[raw_rows.numpy()] == t._row_bytes)
     ids = torch.randint(0, n, (9000,), generator=g)
+    assert raw_rows[ids].any()
     with single_thread():
         for _ in every_isa():
             assert_decodes(t, w[ids], ids)
+        # flip the participation bit of the word with the most invariant bits of an
+        # encoded row named in the middle of the batch
+        bad = int(ids[np.flatnonzero(~raw_rows[ids].numpy())[len(ids) // 2]])
+        j = int(np.argmax([bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]))
+        t._payload[int(t._row_starts()[bad]) + j // 8] ^= 1 << (j % 8)
+        others = ids[ids != bad]
+        for _ in every_isa():
+            with pytest.raises(ibp_embed.FormatError):
+                t.gather(ids)
+            assert_decodes(t, w[others], others)
