@@ -21,7 +21,11 @@ Measurements, 1 thread, each call of A followed by the same call of B:
 - `lookup-fresh`: the same with another batch every call (LOOKUP_BATCHES of them, in
   turn): one batch again and again lets the predictor learn the branches of its rows'
   decode (bf16 d128 torchrec-init rows decoded 1.13-1.25x slower without the direct
-  steps in one order every call, 0.75-0.81x in a new one).
+  steps in one order every call, 0.75-0.81x in a new one);
+- `lookup-cold`: `lookup` after the 64 MiB write, as in a model whose other tables and
+  layers run between two lookups into a table: a batch repeated finds its rows in L3
+  (a uniform batch into 506k fp16 d64 rows names 9 MB of them), so `lookup` times
+  rows from L3 where a model reads them from memory.
 
 Timing two builds on the same input one after the other favours the second, which finds
 what the first left in cache (15-20% on fp16 tables that nearly fit the cache), so every
@@ -69,7 +73,7 @@ from ibp_embed.dtypes import LOOKUP_DTYPES
 
 from . import common
 
-WHAT = ("decode", "decode-fresh", "decode-cold", "encode", "lookup", "lookup-fresh")
+WHAT = ("decode", "decode-fresh", "decode-cold", "encode", "lookup", "lookup-fresh", "lookup-cold")
 LOOKUP_BATCHES = 8
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLUSH_BYTES = 64 << 20
@@ -201,8 +205,7 @@ def measure(what: str, libs: dict, table, args, orders=(("A", "B"), ("B", "A")))
     """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ..., 'digest': ...}, ...]
     (the digest of the outputs, equal for both builds)."""
     dtype = DTYPES[args.dtype]
-    flush = None
-    if what in ("lookup", "lookup-fresh"):
+    if what in ("lookup", "lookup-fresh", "lookup-cold"):
         n = args.batch * args.pooling
         batches = [(datasets.zipf_ids(n, args.rows, args.alpha, seed=s, perm_seed=3) if args.dist == "zipf" else
                     datasets.uniform_ids(n, args.rows, seed=s)).numpy().astype(np.int64)
@@ -224,7 +227,7 @@ def measure(what: str, libs: dict, table, args, orders=(("A", "B"), ("B", "A")))
         outs = {k: np.empty((ids.size, args.dim * dtype.itemsize), np.uint8) for k in libs}
         row_orders = common.fresh_orders(ids) if what == "decode-fresh" else [ids]
         each = {k: [decode_call(lib, table, o, outs[k]) for o in row_orders] for k, lib in libs.items()}
-        flush = np.zeros(FLUSH_BYTES, np.uint8) if what == "decode-cold" else None
+    flush = np.zeros(FLUSH_BYTES, np.uint8) if what.endswith("-cold") else None
     if len(libs) == 2 and len(next(iter(each.values()))) > 1:  # a new order or batch every call
         same_outputs(each, outs)
     results = []

@@ -243,6 +243,46 @@ def test_packed_rows_loop_with_a_plan_per_step(word_bits):
 
 
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
+@pytest.mark.parametrize("outliers", [0.0, 0.05])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_short_rows_from_memory(word_bits, outliers, dtype):
+    """Rows of 128 and 256 bytes (d64) gathered into more than L2 holds (5-10 MB on 1
+    thread) take the prefetches of rows from memory where the loop steps them (far_rows:
+    32 or 16 rows ahead into L2, the spans of the next chunk's rows included): rows of
+    one exponent are all whole (decode_full_rows_cold); with 5% outliers, fp32 rows are
+    packed rows (decode_packed_rows_cold, some rows raw) and fp16 rows, of two steps,
+    keep the loop for rows in cache. Every instruction set must decode them bit for bit
+    and report a corrupt row among them."""
+    from io_cases import single_thread
+
+    g = torch.Generator().manual_seed(72)
+    n = 6000
+    w = (1 + 0.99 * torch.rand(n, 64, generator=g)).to(dtype)  # under 2.0 once rounded
+    odd = torch.rand(w.shape, generator=g) < outliers
+    w[odd] *= 64  # another exponent: the word does not participate
+    raw_rows = (torch.arange(n) % 89 == 7) & (outliers > 0)
+    w.view(torch.uint8)[raw_rows] = torch.randint(0, 256, w.view(torch.uint8)[raw_rows].shape, generator=g,
+                                                  dtype=torch.uint8)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert t._row_bytes == 64 * w.element_size() and t.clusters == 1 and not t.is_raw
+    lengths = t.row_lengths()
+    ids = torch.randint(0, n, (40000,), generator=g)
+    with single_thread():
+        for _ in every_isa():
+            assert_decodes(t, w[ids], ids)
+        # flip the participation bit of the word with the most invariant bits of an
+        # encoded row named in the middle of the batch
+        bad = int(ids[np.flatnonzero(~raw_rows[ids].numpy())[len(ids) // 2]])
+        j = int(np.argmax([bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]))
+        t._payload[int(t._row_starts()[bad]) + j // 8] ^= 1 << (j % 8)
+        others = ids[ids != bad]
+        for _ in every_isa():
+            with pytest.raises(ibp_embed.FormatError):
+                t.gather(ids)
+            assert_decodes(t, w[others], others)
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
 @pytest.mark.parametrize("outliers", [0.05, 0.002])
 def test_packed_rows_loop_from_memory(word_bits, outliers):
     """Rows gathered into more than L2 holds (4.6 MB on 1 thread) are decoded by the

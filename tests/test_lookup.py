@@ -253,8 +253,10 @@ def test_lookup_small_table_decoded_whole(threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 512, 40000, 2000, 1.05), (12000, 256, 16000, 800, None),
                                                       (12000, 128, 16000, 800, None), (1_100_000, 4, 4096, 200, 1.2),
-                                                      (200_000, 24, 8192, 300, None), (60_000, 128, 8229, 300, None)],
-                         ids=["bitmap", "bitmap-mostly-once", "bitmap-uniform", "hash", "direct", "direct-long-rows"])
+                                                      (200_000, 24, 8192, 300, None), (60_000, 128, 8229, 300, None),
+                                                      (60_000, 64, 8229, 300, None)],
+                         ids=["bitmap", "bitmap-mostly-once", "bitmap-uniform", "hash", "direct", "direct-long-rows",
+                              "direct-256-byte-rows"])
 def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, alpha):
     """A large call into a table with more rows than the per-thread cache has slots
     (2048 of the 2 KB rows) takes the exact deduplication path: with a bitmap of the
@@ -264,8 +266,8 @@ def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, a
     shorter rows, every distinct row to the scratch, even from mostly distinct ids),
     a hash table of the ids where it has many (over 256: the 1.1M-row table; every
     distinct row to the scratch); uniform ids, mostly distinct, are decoded one by
-    one in windows instead (512-byte rows: with the prefetches for rows in memory;
-    8229 ids: a last window of 37). Its sums must be the cached path's, bit for bit,
+    one in windows instead (512-byte rows: with the prefetches for rows in memory, 256-byte
+    rows too where the decoders step them, 32 rows ahead; 8229 ids: a last window of 37). Its sums must be the cached path's, bit for bit,
     with weights, MEAN, empty bags, bags longer than a window and a bad id reported."""
     from ibp_embed.datasets import uniform_ids, zipf_ids
 
