@@ -242,6 +242,26 @@ def test_packed_rows_loop_with_a_plan_per_step(word_bits):
         assert_decodes(t, w[ids], ids)
 
 
+def assert_gathers_and_reports_a_corrupt_row(t, w, ids, raw_rows):
+    """On 1 thread, every instruction set gathers rows ids of t (weights w) bit for bit;
+    then, with the participation bit of the word with the most invariant bits flipped in
+    an encoded row named in the middle of the batch (raw_rows: the rows stored raw), it
+    reports that row and still gathers the others bit for bit."""
+    from io_cases import single_thread
+
+    with single_thread():
+        for _ in every_isa():
+            assert_decodes(t, w[ids], ids)
+        bad = int(ids[np.flatnonzero(~raw_rows[ids].numpy())[len(ids) // 2]])
+        j = int(np.argmax([bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]))
+        t._payload[int(t._row_starts()[bad]) + j // 8] ^= 1 << (j % 8)
+        others = ids[ids != bad]
+        for _ in every_isa():
+            with pytest.raises(ibp_embed.FormatError):
+                t.gather(ids)
+            assert_decodes(t, w[others], others)
+
+
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
 @pytest.mark.parametrize("outliers", [0.0, 0.05])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -253,8 +273,6 @@ def test_short_rows_from_memory(word_bits, outliers, dtype):
     packed rows (decode_packed_rows_cold, some rows raw) and fp16 rows, of two steps,
     keep the loop for rows in cache. Every instruction set must decode them bit for bit
     and report a corrupt row among them."""
-    from io_cases import single_thread
-
     g = torch.Generator().manual_seed(72)
     n = 6000
     w = (1 + 0.99 * torch.rand(n, 64, generator=g)).to(dtype)  # under 2.0 once rounded
@@ -265,21 +283,7 @@ def test_short_rows_from_memory(word_bits, outliers, dtype):
                                                   dtype=torch.uint8)
     t = ibp_embed.compress(w, word_bits=word_bits)
     assert t._row_bytes == 64 * w.element_size() and t.clusters == 1 and not t.is_raw
-    lengths = t.row_lengths()
-    ids = torch.randint(0, n, (40000,), generator=g)
-    with single_thread():
-        for _ in every_isa():
-            assert_decodes(t, w[ids], ids)
-        # flip the participation bit of the word with the most invariant bits of an
-        # encoded row named in the middle of the batch
-        bad = int(ids[np.flatnonzero(~raw_rows[ids].numpy())[len(ids) // 2]])
-        j = int(np.argmax([bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]))
-        t._payload[int(t._row_starts()[bad]) + j // 8] ^= 1 << (j % 8)
-        others = ids[ids != bad]
-        for _ in every_isa():
-            with pytest.raises(ibp_embed.FormatError):
-                t.gather(ids)
-            assert_decodes(t, w[others], others)
+    assert_gathers_and_reports_a_corrupt_row(t, w, torch.randint(0, n, (40000,), generator=g), raw_rows)
 
 
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
@@ -296,8 +300,6 @@ def test_packed_rows_loop_from_memory(word_bits, outliers):
     itself only moves speed), copy a raw row (random bits) as stored and go on, and
     report a row whose bits do not add up to its length, among rows from memory as
     among rows in cache (test_packed_rows_loop_copies_raw_and_hands_back_corrupt_rows)."""
-    from io_cases import single_thread
-
     g = torch.Generator().manual_seed(71)
     n = 3000
     w = 1 + torch.rand(n, 128, generator=g)
@@ -310,16 +312,4 @@ def test_packed_rows_loop_from_memory(word_bits, outliers):
     assert t.clusters == 1 and not t.is_raw and np.all(t.row_lengths()[raw_rows.numpy()] == t._row_bytes)
     ids = torch.randint(0, n, (9000,), generator=g)
     assert raw_rows[ids].any()
-    with single_thread():
-        for _ in every_isa():
-            assert_decodes(t, w[ids], ids)
-        # flip the participation bit of the word with the most invariant bits of an
-        # encoded row named in the middle of the batch
-        bad = int(ids[np.flatnonzero(~raw_rows[ids].numpy())[len(ids) // 2]])
-        j = int(np.argmax([bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]))
-        t._payload[int(t._row_starts()[bad]) + j // 8] ^= 1 << (j % 8)
-        others = ids[ids != bad]
-        for _ in every_isa():
-            with pytest.raises(ibp_embed.FormatError):
-                t.gather(ids)
-            assert_decodes(t, w[others], others)
+    assert_gathers_and_reports_a_corrupt_row(t, w, ids, raw_rows)
