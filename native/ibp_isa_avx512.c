@@ -258,36 +258,60 @@ static inline __attribute__((always_inline)) uint64_t shared_step_bits(const ste
     return lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(~part & lay->extra_lanes);
 }
 
+/* The second register of a step's window (at win = bs + pos / 8, its first register
+ * lo): the next 64 bytes only where the step's bits (step_bits from bit pos % 8) reach
+ * them, else lo again. Those bytes lie mostly past the row, on a line no prefetch
+ * brought, and a load from there waits on memory whatever it holds: perf put 11-14% of
+ * the packed loop's samples on each of a step's window loads (uniform ids into 273k
+ * fp16 d64 rows, W = 16). Against loading them always (1 thread, B4096 x P20,
+ * benchmarks.ab lookup-cold, both orders and the builds swapped, min; a Zen 4 EPYC):
+ * that table 0.90-0.96x the time (uniform ids), 0.92-0.95x (Zipf); 506k fp32 d64 rows
+ * 0.91-0.95x, fp32 d128 0.96-0.99x, trained-like fp16 d64 0.91-0.93x; decode-cold
+ * trained-like fp32 d128 W = 32 0.93-0.97x; rows in cache 0.95-1.02x. A branch, not a
+ * CMOV on the address: that made the load wait for the step's header (W = 16 lookups
+ * from memory 1.03-1.05x the time of the branch, two runs). */
+static inline __attribute__((always_inline)) __m512i window_hi(const uint8_t *win, __m512i lo, uint64_t pos,
+                                                               uint64_t step_bits)
+{
+    if (__builtin_expect((pos & 7) + step_bits > 512, 0))
+        return _mm512_loadu_si512((const void *)(win + 64));
+    return lo;
+}
+
 /* A step's fields, lane i's at bit excl[i] of the bitstream bs from bit pos: a
  * 128-byte window in two registers, VPERMT2 pulls out the two words that hold each
  * lane's field and VPSHRDV shifts it out of them (see the top of this file). The
- * fields keep the bits past their length. */
-static inline __attribute__((always_inline)) __m512i step_fields64(const uint8_t *bs, uint64_t pos, __m512i excl)
+ * fields keep the bits past their length (and past the step's step_bits, whatever
+ * window_hi loads there). */
+static inline __attribute__((always_inline)) __m512i step_fields64(const uint8_t *bs, uint64_t pos, __m512i excl,
+                                                                    uint64_t step_bits)
 {
     const __m512i at = _mm512_add_epi64(excl, _mm512_set1_epi64((long long)(pos & 7)));
     const uint8_t *win = bs + (pos >> 3);
-    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = _mm512_loadu_si512((const void *)(win + 64));
+    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = window_hi(win, lo, pos, step_bits);
     const __m512i q = _mm512_srli_epi64(at, 6); /* the field's first word of the window */
     return _mm512_shrdv_epi64(_mm512_permutex2var_epi64(lo, q, hi),
                               _mm512_permutex2var_epi64(lo, _mm512_add_epi64(q, _mm512_set1_epi64(1)), hi),
                               at); /* bits at % 64.. of words q + 1 : q */
 }
 
-static inline __attribute__((always_inline)) __m512i step_fields32(const uint8_t *bs, uint64_t pos, __m512i excl)
+static inline __attribute__((always_inline)) __m512i step_fields32(const uint8_t *bs, uint64_t pos, __m512i excl,
+                                                                    uint64_t step_bits)
 {
     const __m512i at = _mm512_add_epi32(excl, _mm512_set1_epi32((int)(pos & 7)));
     const uint8_t *win = bs + (pos >> 3);
-    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = _mm512_loadu_si512((const void *)(win + 64));
+    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = window_hi(win, lo, pos, step_bits);
     const __m512i q = _mm512_srli_epi32(at, 5);
     return _mm512_shrdv_epi32(_mm512_permutex2var_epi32(lo, q, hi),
                               _mm512_permutex2var_epi32(lo, _mm512_add_epi32(q, _mm512_set1_epi32(1)), hi), at);
 }
 
-static inline __attribute__((always_inline)) __m512i step_fields16(const uint8_t *bs, uint64_t pos, __m512i excl)
+static inline __attribute__((always_inline)) __m512i step_fields16(const uint8_t *bs, uint64_t pos, __m512i excl,
+                                                                    uint64_t step_bits)
 {
     const __m512i at = _mm512_add_epi16(excl, _mm512_set1_epi16((short)(pos & 7)));
     const uint8_t *win = bs + (pos >> 3);
-    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = _mm512_loadu_si512((const void *)(win + 64));
+    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = window_hi(win, lo, pos, step_bits);
     const __m512i q = _mm512_srli_epi16(at, 4);
     return _mm512_shrdv_epi16(_mm512_permutex2var_epi16(lo, q, hi),
                               _mm512_permutex2var_epi16(lo, _mm512_add_epi16(q, _mm512_set1_epi16(1)), hi), at);
@@ -333,7 +357,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words64_steps(const
             excl = _mm512_sub_epi64(incl, n);
             step_bits = (uint64_t)_mm_extract_epi64(_mm512_extracti64x2_epi64(incl, 3), 1);
         }
-        __m512i field = step_fields64(bs, pos, excl);
+        __m512i field = step_fields64(bs, pos, excl, step_bits);
         if (plan) { /* planned deposit (see plan_cluster); non-participating lanes keep the raw word */
             __m512i dep = plan_deposit(STEP(ctrl), STEP(sel), STEP(bitval), lay->shifts, field);
             field = _mm512_mask_mov_epi64(field, part, dep);
@@ -424,7 +448,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words32_steps(const
             excl = _mm512_sub_epi32(incl, n);
             step_bits = (uint32_t)_mm_extract_epi32(_mm512_extracti32x4_epi32(incl, 3), 3);
         }
-        __m512i field = step_fields32(bs, pos, excl);
+        __m512i field = step_fields32(bs, pos, excl, step_bits);
         if (plan) { /* as in decode_words64_avx512 */
             __m512i dep = plan_deposit(STEP(ctrl), STEP(sel), STEP(bitval), lay->shifts, field);
             field = _mm512_mask_mov_epi32(field, part, dep);
@@ -552,7 +576,7 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_steps(const
             excl = _mm512_sub_epi16(incl, n);
             step_bits = (uint16_t)_mm_extract_epi16(_mm512_extracti32x4_epi32(incl, 3), 7);
         }
-        __m512i field = step_fields16(bs, pos, excl);
+        __m512i field = step_fields16(bs, pos, excl, step_bits);
         if (plan) { /* as in decode_words64_avx512 */
             __m512i dep = plan_deposit(ps->ctrl, ps->sel, ps->bitval, lay->shifts, field);
             field = _mm512_mask_mov_epi16(field, part, dep);
