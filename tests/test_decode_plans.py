@@ -269,10 +269,10 @@ def test_short_rows_from_memory(word_bits, outliers, dtype):
     """Rows of 128 and 256 bytes (d64) gathered into more than L2 holds (5-10 MB on 1
     thread) take the prefetches of rows from memory where the loop steps them (far_rows:
     32 or 16 rows ahead into L2, the spans of the next chunk's rows included): rows of
-    one exponent are all whole (decode_full_rows_cold); with 5% outliers, fp32 rows are
-    packed rows (decode_packed_rows_cold, some rows raw) and fp16 rows, of two steps,
-    keep the loop for rows in cache. Every instruction set must decode them bit for bit
-    and report a corrupt row among them."""
+    one exponent are all whole (decode_full_rows_cold); with 5% outliers, rows are
+    packed rows (decode_packed_rows_cold, some rows raw; fp16 rows, of two steps, in its
+    unrolled form). Every instruction set must decode them bit for bit and report a
+    corrupt row among them."""
     g = torch.Generator().manual_seed(72)
     n = 6000
     w = (1 + 0.99 * torch.rand(n, 64, generator=g)).to(dtype)  # under 2.0 once rounded

@@ -250,6 +250,29 @@ def test_lookup_small_table_decoded_whole(threads):
             t.lookup(torch.full((n,), n_rows - 1), off)
 
 
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_lookup_short_packed_rows_from_memory(word_bits):
+    """Uniform ids into 60k fp16 d64 rows (128 bytes; 5% of the words of another
+    exponent, so rows of two packed steps, a few stored raw) are pooled from windows
+    that decode_packed_rows_cold decodes (its unrolled form for two steps, prefetching
+    32 rows ahead). The sums must be embedding_bag's over the fp32 values, bit for bit."""
+    from ibp_embed.datasets import uniform_ids
+
+    g = torch.Generator().manual_seed(73)
+    n_rows, n = 60_000, 8229
+    w = (1 + 0.99 * torch.rand(n_rows, 64, generator=g)).half()
+    w[torch.rand(w.shape, generator=g) < 0.05] *= 64
+    raw_rows = torch.arange(n_rows) % 89 == 7
+    w[raw_rows] = (torch.randn(int(raw_rows.sum()), 64, generator=g) * 1e3).half()
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert t._row_bytes == 128 and not t.is_raw and np.all(t.row_lengths()[raw_rows.numpy()] == 128)
+    idx = uniform_ids(n, n_rows, seed=5)
+    lengths = torch.randint(0, 2 * n // 300, (300,), generator=g)
+    lengths[::53] = 0
+    off = offsets_of(lengths, n)
+    assert_pools_exactly(t, w.float(), idx, off, torch.rand(n, generator=g), every=97)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n_rows,dim,n,bags,alpha", [(6000, 512, 40000, 2000, 1.05), (12000, 256, 16000, 800, None),
                                                       (12000, 128, 16000, 800, None), (1_100_000, 4, 4096, 200, 1.2),
