@@ -4,7 +4,8 @@
  * Per step of 8 words: the header byte is the lane mask of participating words;
  * field lengths (vbits or 64) are prefix-summed across lanes to get each field's
  * bit offset (in a planned step: read from the plan, see step_layout); a 128-byte
- * window of the bitstream sits in two registers, VPERMT2Q pulls out the two 64-bit
+ * window of the bitstream sits in two registers (the second loaded only where the
+ * step's bits reach it: window_hi), VPERMT2Q pulls out the two 64-bit
  * words that hold each lane's field and VPSHRDVQ shifts it out of them by the
  * offset's low 6 bits (W = 32 and 16: the same with 32- and 16-bit words). Against
  * gathering each lane's bytes (VPSHUFB to splat the byte offset, two VPERMT2B, then
