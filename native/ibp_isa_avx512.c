@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) uint64_t shared_step_bits(const ste
  * fp16 d64 rows, W = 16). Against loading them always (1 thread, B4096 x P20,
  * benchmarks.ab lookup-cold, both orders and the builds swapped, min; a Zen 4 EPYC):
  * that table 0.90-0.96x the time (uniform ids), 0.92-0.95x (Zipf); 506k fp32 d64 rows
- * 0.91-0.95x, fp32 d128 0.96-0.99x, trained-like fp16 d64 0.91-0.93x; decode-cold
+ * 0.90-0.95x, fp32 d128 0.95-0.99x, trained-like fp16 d64 0.91-0.93x; decode-cold
  * trained-like fp32 d128 W = 32 0.93-0.97x; rows in cache 0.95-1.02x. A branch, not a
  * CMOV on the address: that made the load wait for the step's header (W = 16 lookups
  * from memory 1.03-1.05x the time of the branch, two runs). */
