@@ -85,6 +85,49 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
                 assert_decodes(t, x[ids], ids)
 
 
+def lane_extras(t) -> list[list[int]]:
+    """Each step's lanes' extras (W - vbits, cluster 0) of a W = 16 table t."""
+    extras = [bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]  # a mask's bits: the invariant ones
+    return [sorted(set(extras[s: s + 32]) - {0}) for s in range(0, len(extras), 32)]
+
+
+@pytest.mark.parametrize("case", ["fp32 halves", "fp32 halves, d120", "fp16 by column",
+                                  "fp16, 20 lanes of one extra"])
+def test_decode_plans_weigh_two_extras_at_w16(case):
+    """At W = 16 the two halves of a float32 have their own invariant bits (values in
+    [1, 2) with the mantissa's last bit clear: 9 in the high half, 1 in the low), so a
+    step's lanes take two extras, and the AVX-512 decoders count each one's
+    non-participating lanes apart (shared_excl16_two): in the packed loop (one
+    cluster), the step loop (rows of 7.5 steps, d120), and fp16 columns of two
+    magnitudes alternating (two steps a row). Where one of the two extras has more than 16 lanes
+    (20 columns of 32 in [1, 2), 12 in [1, 1.5)), the lanes' prefix sum decodes the
+    step instead. Outliers in either half (another exponent, the last bit set) make
+    words of both extras move the fields after them. Every instruction set must
+    decode the tables bit for bit."""
+    g = torch.Generator().manual_seed(81)
+    n = 1200
+    if case.startswith("fp32"):
+        w = 1 + torch.rand(n, 120 if "d120" in case else 128, generator=g)
+        w.view(torch.int32)[:] &= ~1
+        w.view(torch.int32)[torch.rand(w.shape, generator=g) < 0.01] |= 1
+        w[torch.rand(w.shape, generator=g) < 0.01] *= 1024
+        want = [[1, 9]] * 8
+    else:
+        split = 20 if "20 lanes" in case else None
+        cols = torch.arange(64) % 32
+        narrow = cols >= split if split else cols % 2 == 1  # in [1, 1.5): one invariant bit more
+        w = (1 + torch.rand(n, 64, generator=g) * torch.where(narrow, 0.49, 0.99)).half()
+        w[torch.rand(w.shape, generator=g) < 0.01] *= 64
+        want = [[6, 7]] * 2
+    t = ibp_embed.compress(w, word_bits=16)
+    assert t.clusters == 1 and lane_extras(t) == want
+    assert len(np.unique(t.row_lengths())) > 3  # words of both extras do not participate
+    ids = torch.randint(0, n, (500,), generator=g)
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
 @pytest.mark.parametrize("clusters", [1, 4])
 def test_runs_of_full_rows_stop_at_other_rows(clusters):
     """Where nearly all rows have every word participating (here 97%), the AVX-512
