@@ -20,4 +20,18 @@
 #define IBP_HALF_TO_FLOAT(h) _cvtsh_ss(h)
 #define IBP_FLOAT_TO_HALF(f) _cvtss_sh((f), _MM_FROUND_TO_NEAREST_INT) /* F16C: nearest even */
 #define IBP_LOW(x, n, W) _bzhi_u64((x), (n)) /* bzhi keeps all bits for n >= 64 */
+/* Rows likely in memory take the cold prefetches from 128 bytes, as AVX-512's stepped
+ * loops do (cold_rows), and every row prefetch covers the 15 bytes load_fields and
+ * load_packed may read past a row (16-byte loads from a field's first byte): the
+ * line past a row, which no prefetch brought, made the loads wait on memory. Both
+ * against neither (--isa v3, 1 thread, B4096 x P20, benchmarks.ab, both orders and the
+ * builds swapped, min; a Zen 4 EPYC): from memory (lookup-cold) 273k fp16 d64 rows
+ * 0.90-0.94x the time (uniform ids), 0.94-1.00x (Zipf), 506k fp32 d64 0.94-0.95x /
+ * 0.85-0.96x, fp32 d128 0.98-1.00x (uniform), 273k bf16 d128 0.98-1.00x; from L3
+ * (`lookup`, a batch again) 0.95-1.01x (uniform) but Zipf ids 1.02-1.04x (273k fp16
+ * d64), 1.05-1.09x (506k fp32 d64), 1.03-1.07x (101k trained-like fp16 d64). Before
+ * the overread was covered, the cold prefetches took fp16 d64 rows 1.03-1.07x the
+ * time from memory. */
+#define IBP_COLD_WHOLE_ROWS 1
+#define IBP_ROW_OVERREAD 15
 #include "ibp_rowcodec.inc"
