@@ -536,7 +536,8 @@ static inline __m512i shift_words_up(__m512i x, int k)
                                           _mm512_sub_epi16(lane, _mm512_set1_epi16((short)k)), x);
 }
 
-/* The offsets of a W = 16 step's fields where its lanes' extras differ, and its bits
+/* The offsets of a W = 16 step's fields where its lanes take three extras or more, or
+ * two of which one has more than 16 lanes (see shared_excl16_two), and its bits
  * (*step_bits): the planned layout, corrected by a prefix sum of the non-participating
  * lanes' extras, x (bytes; a float32's halves: up to three extras in a step):
  * shifted adds within 64-bit lanes sum each 8-lane group's bytes up to each byte (a
@@ -549,8 +550,8 @@ static inline __m512i shift_words_up(__m512i x, int k)
  * with the shifts (in cache, 1 thread, benchmarks.ab, both orders). Steps whose lanes
  * share one extra take shared_excl16's popcount, as at W = 32: against this path, on
  * that Xeon, torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x, trained-like fp32
- * 1.01-1.03x (its steps never qualify; the test costs), trained-like fp16
- * 0.85-1.04x. */
+ * 1.01-1.03x (its steps did not qualify then: two extras; the test cost), trained-like
+ * fp16 0.85-1.04x. */
 static inline __attribute__((always_inline)) __m512i lane_excl16(uint32_t part, const step_layout *lay, __m512i excl,
                                                                  uint64_t *step_bits)
 {

@@ -91,27 +91,37 @@ def lane_extras(t) -> list[list[int]]:
     return [sorted(set(extras[s: s + 32]) - {0}) for s in range(0, len(extras), 32)]
 
 
-@pytest.mark.parametrize("case", ["fp32 halves", "fp32 halves, d120", "fp16 by column",
-                                  "fp16, 20 lanes of one extra"])
+@pytest.mark.parametrize("case", ["fp32 halves", "fp32 halves, three runs a byte", "fp32 halves, an exponent a step",
+                                  "fp32 halves, d120", "fp16 by column", "fp16, 20 lanes of one extra"])
 def test_decode_plans_weigh_two_extras_at_w16(case):
     """At W = 16 the two halves of a float32 have their own invariant bits (values in
     [1, 2) with the mantissa's last bit clear: 9 in the high half, 1 in the low), so a
     step's lanes take two extras, and the AVX-512 decoders count each one's
     non-participating lanes apart (shared_excl16_two): in the packed loop (one
-    cluster), the step loop (rows of 7.5 steps, d120), and fp16 columns of two
-    magnitudes alternating (two steps a row). Where one of the two extras has more than 16 lanes
-    (20 columns of 32 in [1, 2), 12 in [1, 1.5)), the lanes' prefix sum decodes the
-    step instead. Outliers in either half (another exponent, the last bit set) make
-    words of both extras move the fields after them. Every instruction set must
-    decode the tables bit for bit."""
+    cluster; its plan held in registers, with three runs of variable bits in a byte
+    (bits 1 and 3 clear, not bit 0), or read step by step where each step's columns have their
+    own exponent), also for rows from memory (a gather of 20 MB), in the step loop
+    (rows of 7.5 steps, d120), and for fp16 columns of two magnitudes alternating (two
+    steps a row). Where one of the two extras has more than 16 lanes (20 columns of 32
+    in [1, 2), 12 in [1, 1.5)), the lanes' prefix sum decodes the step instead.
+    Outliers in either half (another exponent, a cleared bit set) make words of both
+    extras move the fields after them. Every instruction set must decode the tables bit
+    for bit."""
+    from io_cases import single_thread
+
     g = torch.Generator().manual_seed(81)
     n = 1200
     if case.startswith("fp32"):
         w = 1 + torch.rand(n, 120 if "d120" in case else 128, generator=g)
-        w.view(torch.int32)[:] &= ~1
-        w.view(torch.int32)[torch.rand(w.shape, generator=g) < 0.01] |= 1
+        if "exponent a step" in case:
+            w *= torch.pow(2.0, (torch.arange(w.shape[1]) // 16).float())
+        low = 0b1010 if "three runs" in case else 1
+        if "three runs" in case:  # bit 0 variable (1 + rand rounds it to 0 more often than not)
+            w.view(torch.int32)[:] ^= torch.randint(0, 2, w.shape, generator=g, dtype=torch.int32)
+        w.view(torch.int32)[:] &= ~low
+        w.view(torch.int32)[torch.rand(w.shape, generator=g) < 0.01] |= low
         w[torch.rand(w.shape, generator=g) < 0.01] *= 1024
-        want = [[1, 9]] * 8
+        want = [[2 if "three runs" in case else 1, 9]] * 8
     else:
         split = 20 if "20 lanes" in case else None
         cols = torch.arange(64) % 32
@@ -126,6 +136,11 @@ def test_decode_plans_weigh_two_extras_at_w16(case):
     for _ in every_isa():
         assert_decodes(t, w)
         assert_decodes(t, w[ids], ids)
+    if case == "fp32 halves":
+        many = torch.randint(0, n, (40000,), generator=g)
+        with single_thread():
+            for _ in every_isa():
+                assert_decodes(t, w[many], many)
 
 
 @pytest.mark.parametrize("clusters", [1, 4])
