@@ -269,7 +269,8 @@ static inline __attribute__((always_inline)) uint64_t shared_step_bits(const ste
  * median; a Zen 4 EPYC), 0.96-1.03x from memory (decode-cold). Two shared_excl16
  * (two popcounts each) gained 2% over the prefix sum (an ad-hoc timing); this form
  * for one extra too (tables whose one extra has 16 lanes or fewer) took 1.12-1.22x the
- * time of shared_excl16 (torchrec-init fp32 d128 and fp16 d64 rows, the same). */
+ * time of shared_excl16 (torchrec-init fp32 d128 and fp16 d64 rows, the same ad-hoc
+ * timing). */
 static inline __attribute__((always_inline)) __m512i shared_excl16_two(__m512i excl, const __m512i *late_below,
                                                                        const step_layout *lay, uint32_t part,
                                                                        uint64_t *step_bits)
