@@ -5,7 +5,8 @@
  * field lengths (vbits or 64) are prefix-summed across lanes to get each field's
  * bit offset (in a planned step: read from the plan, see step_layout); a 128-byte
  * window of the bitstream sits in two registers (the second loaded only where the
- * step's bits reach it: window_hi), VPERMT2Q pulls out the two 64-bit
+ * step's bits reach it: window_hi; the offsets and the window in ibp_avx512_fields.inc),
+ * VPERMT2Q pulls out the two 64-bit
  * words that hold each lane's field and VPSHRDVQ shifts it out of them by the
  * offset's low 6 bits (W = 32 and 16: the same with 32- and 16-bit words). Against
  * gathering each lane's bytes (VPSHUFB to splat the byte offset, two VPERMT2B, then
@@ -198,18 +199,7 @@ static inline __attribute__((always_inline)) int decode_full_row(const void *p_v
 }
 #define IBP_DECODE_FULL_ROW(plan, row, len, out, pf) decode_full_row((plan), (row), (len), (out), (pf))
 
-/* The 4 header bytes from h in every 32-bit element: a broadcast from memory (a load,
- * where one from a register takes the shuffle port). The bytes past the header are
- * the bitstream's, or the payload's tail pad. The steps count the non-participating
- * lanes below each lane from it and the plan's late_below, and multiply by the
- * extra broadcast from memory as well: against broadcasting the header's lane mask
- * and the extra from registers, in-cache decode 0.92-0.97x the time at W = 64 (fp32
- * d128), 0.86-1.02x at W = 32 and 0.95-1.03x at W = 16 (fp16 d64; 1 thread, both
- * orders). */
-static inline __m512i header_bits(const uint8_t *h)
-{
-    return _mm512_broadcastd_epi32(_mm_loadu_si32((const void *)h));
-}
+#include "ibp_avx512_fields.inc"
 
 static inline __m512i shift_lanes_up(__m512i x, int lanes)
 {
@@ -219,141 +209,6 @@ static inline __m512i shift_lanes_up(__m512i x, int lanes)
     case 2: return _mm512_alignr_epi64(x, _mm512_setzero_si512(), 6);
     default: return _mm512_alignr_epi64(x, _mm512_setzero_si512(), 4);
     }
-}
-
-/* The offsets of a step's fields (from its first bit) where its lanes with invariant
- * bits share one extra (lay->extra): the planned ones (`excl`) plus the extra of each
- * such lane below that does not participate, h the step's header bytes. A 16-bit
- * multiply (a product is at most 31 lanes times 16 bits, or 15 * 32, or 7 * 64):
- * VPMULLD is 2 uops and 10 cycles on Intel cores (instruction tables); fp32 d128 W = 32
- * rows 0.87-0.99x the time on a Xeon (medians 0.95-1.02x). */
-static inline __attribute__((always_inline)) __m512i shared_excl64(const uint8_t *h, __m512i excl, __m512i late_below,
-                                                                   uint32_t extra_x2)
-{
-    const __m512i below = _mm512_andnot_si512(header_bits(h), late_below);
-    return _mm512_add_epi64(excl, _mm512_mullo_epi16(_mm512_popcnt_epi64(below), _mm512_set1_epi32((int)extra_x2)));
-}
-
-static inline __attribute__((always_inline)) __m512i shared_excl32(const uint8_t *h, __m512i excl, __m512i late_below,
-                                                                   uint32_t extra_x2)
-{
-    const __m512i below = _mm512_andnot_si512(header_bits(h), late_below);
-    return _mm512_add_epi32(excl, _mm512_mullo_epi16(_mm512_popcnt_epi32(below), _mm512_set1_epi32((int)extra_x2)));
-}
-
-/* W = 16: the popcount per half of each 32-bit element (late_below: below its low
- * lane, then its high lane). */
-static inline __attribute__((always_inline)) __m512i shared_excl16(const uint8_t *h, __m512i excl,
-                                                                   const __m512i *late_below, uint32_t extra_x2)
-{
-    const __m512i hb = header_bits(h);
-    const __m512i below =
-        _mm512_or_si512(_mm512_popcnt_epi32(_mm512_andnot_si512(hb, late_below[0])),
-                        _mm512_slli_epi32(_mm512_popcnt_epi32(_mm512_andnot_si512(hb, late_below[1])), 16));
-    return _mm512_add_epi16(excl, _mm512_mullo_epi16(below, _mm512_set1_epi32((int)extra_x2)));
-}
-
-/* The bits of a step with shared extras whose lanes participate as `part` says. */
-static inline __attribute__((always_inline)) uint64_t shared_step_bits(const step_layout *lay, uint32_t part)
-{
-    return lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(~part & lay->extra_lanes);
-}
-
-/* W = 16 steps whose lanes take two extras (lay->extra_b): each extra's
- * non-participating lanes gathered by PEXT into 16 bits (one extra's in each half of
- * a 32-bit broadcast), VPOPCNTW counts those below each lane (late_below: see
- * plan_step) and VPMADDWD weighs the two counts by their extras (extra_x2). Such
- * steps took lane_excl16's prefix sum before: against it, trained-like fp32 d128 rows
- * at W = 16 (1 and 6 invariant bits a half) decoded in 0.83-0.86x the time in cache
- * (1 thread, benchmarks.ab decode-fresh, both orders and the builds swapped, min and
- * median; a Zen 4 EPYC), 0.96-1.03x from memory (decode-cold). Two shared_excl16
- * (two popcounts each) gained 2% over the prefix sum (an ad-hoc timing); this form
- * for one extra too (tables whose one extra has 16 lanes or fewer) took 1.12-1.22x the
- * time of shared_excl16 (torchrec-init fp32 d128 and fp16 d64 rows, the same ad-hoc
- * timing). */
-static inline __attribute__((always_inline)) __m512i shared_excl16_two(__m512i excl, const __m512i *late_below,
-                                                                       const step_layout *lay, uint32_t part,
-                                                                       uint64_t *step_bits)
-{
-    const uint32_t a = (uint32_t)_pext_u32(~part, lay->extra_lanes), b = (uint32_t)_pext_u32(~part, lay->extra_b_lanes);
-    *step_bits = lay->total + (uint64_t)lay->extra * (uint64_t)__builtin_popcount(a) +
-                 (uint64_t)lay->extra_b * (uint64_t)__builtin_popcount(b);
-    const __m512i gathered = _mm512_set1_epi32((int)(a | b << 16)), x = _mm512_set1_epi32((int)lay->extra_x2);
-    const __m512i low = _mm512_madd_epi16(_mm512_popcnt_epi16(_mm512_and_si512(gathered, late_below[0])), x);
-    const __m512i high = _mm512_madd_epi16(_mm512_popcnt_epi16(_mm512_and_si512(gathered, late_below[1])), x);
-    return _mm512_add_epi16(excl, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
-}
-
-/* A W = 16 step with a layout (lay->extra): its field offsets and bits (*step_bits),
- * for one extra (shared_excl16) or two (shared_excl16_two). */
-static inline __attribute__((always_inline)) __m512i shared_excl16_of(const uint8_t *h, __m512i excl,
-                                                                      const __m512i *late_below,
-                                                                      const step_layout *lay, uint32_t part,
-                                                                      uint64_t *step_bits)
-{
-    if (lay->extra_b)
-        return shared_excl16_two(excl, late_below, lay, part, step_bits);
-    *step_bits = shared_step_bits(lay, part);
-    return shared_excl16(h, excl, late_below, lay->extra_x2);
-}
-
-/* The second register of a step's window (at win = bs + pos / 8, its first register
- * lo): the next 64 bytes only where the step's bits (step_bits from bit pos % 8) reach
- * them, else lo again. Those bytes lie mostly past the row, on a line no prefetch
- * brought, and a load from there waits on memory whatever it holds: perf put 11-14% of
- * the packed loop's samples on each of a step's window loads (uniform ids into 273k
- * fp16 d64 rows, W = 16). Against loading them always (1 thread, B4096 x P20,
- * benchmarks.ab lookup-cold, both orders and the builds swapped, min; a Zen 4 EPYC):
- * that table 0.90-0.96x the time (uniform ids), 0.92-0.95x (Zipf); 506k fp32 d64 rows
- * 0.90-0.95x, fp32 d128 0.95-0.99x, trained-like fp16 d64 0.91-0.93x; decode-cold
- * trained-like fp32 d128 W = 32 0.93-0.97x; rows in cache 0.95-1.02x. A branch, not a
- * CMOV on the address: that made the load wait for the step's header (W = 16 lookups
- * from memory 1.03-1.05x the time of the branch, two runs). */
-static inline __attribute__((always_inline)) __m512i window_hi(const uint8_t *win, __m512i lo, uint64_t pos,
-                                                               uint64_t step_bits)
-{
-    if (__builtin_expect((pos & 7) + step_bits > 512, 0))
-        return _mm512_loadu_si512((const void *)(win + 64));
-    return lo;
-}
-
-/* A step's fields, lane i's at bit excl[i] of the bitstream bs from bit pos: a
- * 128-byte window in two registers, VPERMT2 pulls out the two words that hold each
- * lane's field and VPSHRDV shifts it out of them (see the top of this file). The
- * fields keep the bits past their length (and past the step's step_bits, whatever
- * window_hi loads there). */
-static inline __attribute__((always_inline)) __m512i step_fields64(const uint8_t *bs, uint64_t pos, __m512i excl,
-                                                                    uint64_t step_bits)
-{
-    const __m512i at = _mm512_add_epi64(excl, _mm512_set1_epi64((long long)(pos & 7)));
-    const uint8_t *win = bs + (pos >> 3);
-    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = window_hi(win, lo, pos, step_bits);
-    const __m512i q = _mm512_srli_epi64(at, 6); /* the field's first word of the window */
-    return _mm512_shrdv_epi64(_mm512_permutex2var_epi64(lo, q, hi),
-                              _mm512_permutex2var_epi64(lo, _mm512_add_epi64(q, _mm512_set1_epi64(1)), hi),
-                              at); /* bits at % 64.. of words q + 1 : q */
-}
-
-static inline __attribute__((always_inline)) __m512i step_fields32(const uint8_t *bs, uint64_t pos, __m512i excl,
-                                                                    uint64_t step_bits)
-{
-    const __m512i at = _mm512_add_epi32(excl, _mm512_set1_epi32((int)(pos & 7)));
-    const uint8_t *win = bs + (pos >> 3);
-    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = window_hi(win, lo, pos, step_bits);
-    const __m512i q = _mm512_srli_epi32(at, 5);
-    return _mm512_shrdv_epi32(_mm512_permutex2var_epi32(lo, q, hi),
-                              _mm512_permutex2var_epi32(lo, _mm512_add_epi32(q, _mm512_set1_epi32(1)), hi), at);
-}
-
-static inline __attribute__((always_inline)) __m512i step_fields16(const uint8_t *bs, uint64_t pos, __m512i excl,
-                                                                    uint64_t step_bits)
-{
-    const __m512i at = _mm512_add_epi16(excl, _mm512_set1_epi16((short)(pos & 7)));
-    const uint8_t *win = bs + (pos >> 3);
-    const __m512i lo = _mm512_loadu_si512((const void *)win), hi = window_hi(win, lo, pos, step_bits);
-    const __m512i q = _mm512_srli_epi16(at, 4);
-    return _mm512_shrdv_epi16(_mm512_permutex2var_epi16(lo, q, hi),
-                              _mm512_permutex2var_epi16(lo, _mm512_add_epi16(q, _mm512_set1_epi16(1)), hi), at);
 }
 
 /* Decode words [0, 8 * floor(full / 8)) of a W = 64 row; returns how many. `planned`
@@ -535,42 +390,6 @@ static inline __m512i shift_words_up(__m512i x, int k)
                                           15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     return _mm512_maskz_permutexvar_epi16((__mmask32)(0xffffffffu << k),
                                           _mm512_sub_epi16(lane, _mm512_set1_epi16((short)k)), x);
-}
-
-/* The offsets of a W = 16 step's fields where its lanes take three extras or more, or
- * two of which one has more than 16 lanes (see shared_excl16_two), and its bits
- * (*step_bits): the planned layout, corrected by a prefix sum of the non-participating
- * lanes' extras, x (bytes; a float32's halves: up to three extras in a step):
- * shifted adds within 64-bit lanes sum each 8-lane group's bytes up to each byte (a
- * group's sum, at most 8 * 16, fits), and two more, of the four group sums in 16-bit
- * fields, sum the groups. The step's bits come from the same sums (from scalar
- * popcounts, one per bit of the extras, they took 1.12-1.16x the time on Zen 5). The
- * sums were two 64-bit multiplies by 0x0101...01 and 0x0001...0001, chosen on Zen 5;
- * VPMULLQ is 3 uops and 15 cycles on Intel cores (instruction tables), and on a Xeon
- * (Sapphire Rapids class) fp32 d128 torchrec-init rows decoded in 0.55-0.60x the time
- * with the shifts (in cache, 1 thread, benchmarks.ab, both orders). Steps whose lanes
- * share one extra take shared_excl16's popcount, as at W = 32: against this path, on
- * that Xeon, torchrec init fp32 d128 0.95x the time, fp16 d64 0.82x, trained-like fp32
- * 1.01-1.03x (its steps did not qualify then: two extras; the test cost), trained-like
- * fp16 0.85-1.04x. */
-static inline __attribute__((always_inline)) __m512i lane_excl16(uint32_t part, const step_layout *lay, __m512i excl,
-                                                                 uint64_t *step_bits)
-{
-    /* the bytes that end each 8-lane group of a 32-byte vector, gathered into 16-bit fields */
-    const __m256i group_last = _mm256_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                               0, 31, 0, 23, 0, 15, 0, 7);
-    const __m512i group_below = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                 0, 0, 0, 0, 0, 0, 0, 0); /* lanes 0-7: none (masked) */
-    const __m256i x = _mm256_maskz_mov_epi8(~part, _mm256_loadu_si256((const void *)lay->lane_extra));
-    __m256i incl = _mm256_add_epi64(x, _mm256_slli_epi64(x, 8));
-    incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 16));
-    incl = _mm256_add_epi64(incl, _mm256_slli_epi64(incl, 32));
-    __m256i sums = _mm256_maskz_permutexvar_epi8(0x55, group_last, incl);
-    sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 16));
-    sums = _mm256_add_epi64(sums, _mm256_slli_epi64(sums, 32));
-    *step_bits = lay->total + ((uint64_t)_mm256_cvtsi256_si32(_mm256_srli_epi64(sums, 48)) & 0xffff);
-    return _mm512_add_epi16(_mm512_add_epi16(excl, _mm512_cvtepu8_epi16(_mm256_sub_epi8(incl, x))),
-                            _mm512_maskz_permutexvar_epi16(0xffffff00u, group_below, _mm512_castsi256_si512(sums)));
 }
 
 /* Decode words [0, 32 * floor(full / 32)) of a W = 16 row; returns how many. The same
