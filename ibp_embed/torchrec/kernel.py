@@ -35,11 +35,11 @@ from ..table import CompressedTable
 from .device import DeviceTable, cache_options, check_device, device_pooled_lookup
 from .fused_optimizer import IBPFusedOptimizer, optimizer_from_fused_params
 from .lookup import (
+    JobCache,
     Slot,
     apply_updates,
     compress_weight,
     lookup_jobs,
-    run_lookup_jobs,
     training_lookup,
 )
 
@@ -77,6 +77,7 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             self._dtypes.append(dtype)
         self.optimizer = optimizer_from_fused_params(config.fused_params)
         self._tables: List[Optional[CompressedTable]] = [None] * len(config.embedding_tables)
+        self._job_cache = JobCache()  # inference lookups' native jobs
         self._codec_options: Dict[str, Any] = {}
         # Optimizer state on the host, where the optimizer runs (meta on the meta device).
         self._states = [{k: v.to("meta" if t.local_metadata.placement.device().type == "meta" else "cpu")
@@ -173,14 +174,14 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         elif self.on_cuda and not any(isinstance(t, UpdatableTable) for t in self._tables) \
                 and features.values().device.type != "meta":
             return self._device_forward(features)
-        jobs, b = lookup_jobs(features, self._slots(), self._config.is_weighted, "IBP kernel")
-        if jobs is None:
-            return torch.empty((b, sum(t.local_cols * len(t.feature_names) for t in self._config.embedding_tables)),
-                               dtype=torch.float32, device="meta")
         out = cuda.storage_device(self._device) if self.on_cuda else torch.device("cpu")
         if training:
+            jobs, b = lookup_jobs(features, self._slots(), self._config.is_weighted, "IBP kernel")
             return training_lookup(self, jobs, b, "IBP kernel", out)
-        return run_lookup_jobs(jobs, b, "IBP kernel").to(out)
+        # keys are the shards' features in order (checked above)
+        values = self._job_cache.lookup(features, tuple(self._tables), lambda keys: (self._slots(), range(len(keys))),
+                                        self._config.is_weighted, "IBP kernel")
+        return values if values.is_meta else values.to(out)
 
     def _device_forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         placed = self.device_tables()

@@ -13,6 +13,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
+from ..packed_jobs import PackedJobs
 from ..table import CompressedTable, _lookup_many_checked
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
@@ -145,6 +146,44 @@ def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool,
     if jobs is None:
         return torch.empty((kjt.stride(), sum(s.dim for s in slots)), dtype=torch.float32, device="meta")
     return run_lookup_jobs(jobs, b, who)
+
+
+class JobCache:
+    """An inference module's lookup jobs (PackedJobs), built on its first call and
+    again whenever its tables or the input's keys change (identity of each table,
+    the keys' order), so that a call neither builds slots nor fills jobs. Copies and
+    pickles of the module start empty (the jobs hold the tables' native handles)."""
+
+    def __init__(self):
+        self._entry = None  # (tables, keys, slots, PackedJobs), replaced whole: calls may race
+
+    def __deepcopy__(self, memo):
+        return JobCache()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self._entry = None
+
+    def lookup(self, kjt: KeyedJaggedTensor, tables: tuple, slots_for, weighted: bool, who: str) -> torch.Tensor:
+        """pooled_lookup(kjt, slots, weighted, who, key_index) for the (slots, key_index)
+        that slots_for(keys) returns, asked again only when the keys or `tables` (the
+        module's tables, whose identities the entry holds) change; pooled_lookup itself
+        where the tables are not all CompressedTables or the input is on meta."""
+        keys = tuple(kjt.keys())
+        entry = self._entry
+        if entry is None or entry[1] != keys or len(entry[0]) != len(tables) or \
+                any(a is not b for a, b in zip(entry[0], tables)) or kjt.values().device.type == "meta":
+            slots, key_index = slots_for(keys)
+            if kjt.values().device.type == "meta" or not all(isinstance(t, CompressedTable) for t in tables):
+                return pooled_lookup(kjt, slots, weighted, who, key_index)
+            packed = PackedJobs([s.table for s in slots], [s.mode for s in slots], key_index)
+            entry = self._entry = (tables, keys, slots, packed)
+        slots, packed = entry[2], entry[3]
+        vals, off, w, b = _kjt_parts(kjt, len(keys), weighted, who)
+        return packed(vals, off, w, b, lambda k: f"{who}: feature {slots[k].feature!r} of table "
+                                                 f"{slots[k].table_name!r}")
 
 
 def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool, who: str,

@@ -23,7 +23,7 @@ file per table plus ``manifest.json``).
 # No `from __future__ import annotations`: TorchRec's schema checks and TorchScript read
 # this module's annotations as objects, as they read EmbeddingBagCollection's.
 import dataclasses
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -44,12 +44,12 @@ from ..table import CompressedTable
 from .device import check_cache_options
 from .lookup import (
     FeatureKeyError,
+    JobCache,
     Slot,
     apply_updates,
     check_codec_options,
     compress_weight,
     lookup_jobs,
-    pooled_lookup,
     pooling_mode,
     resolve_device,
     table_dtype,
@@ -131,6 +131,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._device = resolve_device(device)
         host = torch.device("cpu") if self._device.type == "cuda" else self._device
         self._trainable = False
+        self._job_cache = JobCache()  # inference lookups' native jobs
         self._is_weighted = bool(is_weighted)
         self._strict_features = bool(strict_features)
         warn_if_dedup(dedup)
@@ -341,6 +342,12 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             bag.reset_state()
             del w
 
+    def _slots_for(self, keys) -> Tuple[List[Slot], List[int]]:
+        """The slots and, for each, the position of its feature in `keys`."""
+        pos = {k: i for i, k in enumerate(keys)}
+        slots = self._slots()
+        return slots, [pos[s.feature] for s in slots]
+
     def _slots(self) -> List[Slot]:
         slots = []
         for config, feats in zip(self._embedding_bag_configs, self._feature_names):
@@ -404,18 +411,16 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if not self._is_weighted and features.weights_or_none() is not None:  # ignored, as TorchRec's EBC does
             features = KeyedJaggedTensor(keys=features.keys(), values=features.values(), offsets=features.offsets(),
                                          stride=features.stride())
-        keys = features.keys()
-        pos = {k: i for i, k in enumerate(keys)}
-        slots = self._slots()
-        key_index = [pos[s.feature] for s in slots]
         who = "IBPEmbeddingBagCollection"
         # On cuda the host's outputs move to the device (meta inputs give meta outputs).
         out = cuda.storage_device(self._device) if self._device.type == "cuda" else torch.device("cpu")
         if self._trainable and torch.is_grad_enabled() and features.values().device.type != "meta":
+            slots, key_index = self._slots_for(features.keys())
             jobs, b = lookup_jobs(features, slots, self._is_weighted, who, key_index)
             values = training_lookup(self, jobs, b, who, out)
         else:
-            values = pooled_lookup(features, slots, self._is_weighted, who, key_index)
+            tables = tuple(bag.table for bag in self.embedding_bags.values())
+            values = self._job_cache.lookup(features, tables, self._slots_for, self._is_weighted, who)
             if self._device.type == "cuda":
                 values = values.to(out)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)

@@ -1,0 +1,171 @@
+"""PackedJobs (a fixed list of tables' native lookup jobs, written once) against each
+table's own lookup, bit for bit, and the modules' JobCache over it: rebuilt when the
+tables or the keys change, safe to copy, pickle and call from several threads."""
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ibp_embed
+from ibp_embed.packed_jobs import _JOB, PackedJobs
+from ibp_embed._native import ffi
+
+from helpers import assert_bits_equal, structured
+
+
+def kjt_layout(rng, n_keys: int, n_bags: int, n_rows: int, max_bag: int = 5):
+    """values and offsets [n_keys * n_bags + 1] as a KeyedJaggedTensor lays them out
+    (key after key), with empty bags and duplicate ids."""
+    sizes = rng.integers(0, max_bag + 1, n_keys * n_bags)
+    sizes[::4] = 0
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    values = rng.integers(0, n_rows, int(offsets[-1])).astype(np.int64)
+    return values, offsets
+
+
+def expected(tables, modes, key_index, values, offsets, weights, n_bags):
+    """Each job through its table's own lookup, side by side."""
+    outs = []
+    for t, m, k in zip(tables, modes, key_index):
+        lo, hi = int(offsets[k * n_bags]), int(offsets[(k + 1) * n_bags])
+        off = offsets[k * n_bags:(k + 1) * n_bags + 1] - lo
+        w = None if weights is None else torch.from_numpy(weights[lo:hi])
+        outs.append(t.lookup(torch.from_numpy(values[lo:hi]), torch.from_numpy(off), per_sample_weights=w, mode=m))
+    return torch.cat(outs, dim=1) if outs else torch.empty((n_bags, 0))
+
+
+def test_job_dtype_matches_the_header():
+    assert _JOB.itemsize == ffi.sizeof("ibp_lookup_job")
+    for name, field in ffi.typeof("ibp_lookup_job").fields:
+        assert _JOB.fields[name][1] == field.offset
+        assert _JOB.fields[name][0].itemsize == ffi.sizeof(field.type)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n_keys=st.integers(1, 4), n_jobs=st.integers(0, 5),
+       n_bags=st.integers(1, 9), weighted=st.booleans())
+def test_packed_jobs_match_each_tables_lookup(seed, n_keys, n_jobs, n_bags, weighted):
+    rng = np.random.default_rng(seed)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    tables, modes = [], []
+    for j in range(n_jobs):
+        n_rows, dim = int(rng.integers(1, 60)), int(rng.choice([1, 3, 8, 16, 33]))
+        tables.append(ibp_embed.compress(structured(n_rows, dim, dtypes[j % 3], seed=seed + j), progress=False))
+        modes.append("mean" if rng.random() < 0.3 else "sum")
+    n_rows = min([t.shape[0] for t in tables], default=1)
+    values, offsets = kjt_layout(rng, n_keys, n_bags, n_rows)
+    weights = rng.standard_normal(values.size).astype(np.float32) if weighted else None
+    key_index = rng.integers(0, n_keys, n_jobs)  # any order, keys read twice or not at all
+    got = PackedJobs(tables, modes, key_index)(values, offsets, weights, n_bags, lambda k: f"job {k}")
+    assert got.shape == (n_bags, sum(t.shape[1] for t in tables))
+    assert_bits_equal(got, expected(tables, modes, key_index, values, offsets, weights, n_bags))
+
+
+def test_packed_jobs_refuse_bad_input():
+    t = ibp_embed.compress(structured(10, 4, torch.float32), progress=False)
+    jobs = PackedJobs([t, t], ["sum", "sum"], [0, 1])
+    values, offsets = np.array([1, 2, 10, 3], np.int64), np.array([0, 1, 2, 3, 4], np.int64)
+    with pytest.raises(IndexError, match=r"^job 1: id 10 out of range for a table of 10 rows$"):
+        jobs(values, offsets, None, 2, lambda k: f"job {k}")
+    with pytest.raises(ValueError, match="do not hold"):  # 3 bags do not divide 4 offsets' bags
+        jobs(values, offsets, None, 3, lambda k: f"job {k}")
+    with pytest.raises(ValueError, match="do not hold"):  # key 1 of a batch with one key
+        jobs(values[:2], offsets[:3], None, 2, lambda k: f"job {k}")
+    with pytest.raises(TypeError, match="CompressedTable"):
+        PackedJobs([t.decompress()], ["sum"], [0])
+    with pytest.raises(ValueError, match="as many"):
+        PackedJobs([t], ["sum", "sum"], [0])
+    assert PackedJobs([], [], [])(values, offsets, None, 2, str).shape == (2, 0)
+    assert PackedJobs([t], ["sum"], [0])(values[:0], offsets[:1], None, 0, str).shape == (0, 4)
+
+
+# ---------------------------------------------------------------- the modules' cache
+
+def collection(tables_rows, dim=8, seed=0):
+    from torchrec import EmbeddingBagConfig
+
+    from ibp_embed.torchrec import IBPEmbeddingBagCollection
+
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"])
+               for i, n in enumerate(tables_rows)]
+    tables = {f"t{i}": ibp_embed.compress(structured(n, dim, torch.float32, seed=seed + i), progress=False)
+              for i, n in enumerate(tables_rows)}
+    return IBPEmbeddingBagCollection(configs, _tables=tables)
+
+
+def kjt(keys, n_bags, n_rows, seed):
+    from torchrec import KeyedJaggedTensor
+
+    values, offsets = kjt_layout(np.random.default_rng(seed), len(keys), n_bags, n_rows)
+    return KeyedJaggedTensor(keys=list(keys), values=torch.from_numpy(values), offsets=torch.from_numpy(offsets))
+
+
+def reference_values(ebc, features):
+    """The module's output through per-feature lookups (its traced path's ops)."""
+    d = features.to_dict()
+    return torch.cat([bag.table.lookup(d[f].values(), d[f].offsets())
+                      for i, bag in enumerate(ebc.embedding_bags.values()) for f in ebc._feature_names[i]], dim=1)
+
+
+def test_module_cache_follows_keys_and_tables():
+    ebc = collection([30, 40, 50])
+    for keys in (["f0", "f1", "f2"], ["f2", "f0", "f1"], ["f1", "x", "f2", "f0"]):  # reordered, an extra key
+        features = kjt(keys, 7, 30, seed=len(keys))
+        assert_bits_equal(ebc(features).values(), reference_values(ebc, features))
+    entry = ebc._job_cache._entry
+    features = kjt(["f1", "x", "f2", "f0"], 5, 30, seed=9)
+    ebc(features)
+    assert ebc._job_cache._entry is entry  # same keys and tables: reused
+    # new weights: new tables, new jobs
+    state = {k: v * 2 for k, v in ebc.state_dict().items()}
+    ebc.load_state_dict(state)
+    got = ebc(features).values()
+    assert ebc._job_cache._entry is not entry
+    assert_bits_equal(got, reference_values(ebc, features))
+    with pytest.raises(IndexError, match=r"feature 'f2' of table 't2': id 30 out of range for a table of 30 rows"):
+        ebc2 = collection([40, 40, 30])
+        bad = kjt(["f0", "f1", "f2"], 3, 40, seed=1)
+        bad.values()[-1] = 30
+        bad.values()[:-1] = 0
+        ebc2(bad)
+
+
+def test_module_cache_survives_copies_and_pickles():
+    ebc = collection([20, 25])
+    features = kjt(["f0", "f1"], 6, 20, seed=3)
+    want = ebc(features).values()
+    for other in (copy.deepcopy(ebc), pickle.loads(pickle.dumps(ebc))):
+        assert other._job_cache._entry is None
+        assert_bits_equal(other(features).values(), want)
+    meta = kjt(["f0", "f1"], 6, 20, seed=3).to(torch.device("meta"))
+    assert ebc(meta).values().is_meta
+
+
+def test_module_cache_from_several_threads():
+    ebc = collection([64, 64, 64])
+    batches = [kjt(["f0", "f1", "f2"], 16, 64, seed=s) for s in range(6)]
+    want = [reference_values(ebc, b) for b in batches]
+    errors = []
+
+    def run(k):
+        try:
+            for r in range(20):
+                i = (k + r) % len(batches)
+                if not torch.equal(ebc(batches[i]).values(), want[i]):
+                    errors.append((k, r))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
