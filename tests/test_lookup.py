@@ -474,3 +474,35 @@ def test_public_lookup_many_matches_per_table_lookups():
         ibp_embed.lookup_many(tables, ids, offs, mode=["sum", "max", "sum"])
     with pytest.raises(TypeError, match="table 0: a CompressedTable"):
         ibp_embed.lookup_many([torch.zeros(3, 3)], [[0]], [[0, 1]])
+
+
+def test_decode_plans_kept_per_table_stay_right_across_many_tables():
+    """A thread keeps a decode plan per codebook (IBP_PLAN_SLOTS of them, replaced in
+    turn): lookups into more tables than that, again and again, and into new tables
+    made where dropped ones were (their codebooks may reuse the same addresses), must
+    each decode their own rows. Bags of one id: each output row is its row, exactly."""
+    from ibp_embed.table import _lookup_many_checked as lookup_many
+
+    from helpers import every_isa
+
+    rng = np.random.default_rng(4)
+    b = 64
+
+    def make(seed):
+        dtype = (torch.float32, torch.float16, torch.bfloat16)[seed % 3]
+        g = torch.Generator().manual_seed(seed)  # finite rows: a bag of one pools to its row's exact value
+        w = torch.randn(int(rng.integers(20, 300)), int(rng.choice([8, 32, 64])), generator=g) * 10.0 ** (seed % 7 - 3)
+        t = ibp_embed.compress(w.to(dtype), word_bits=(16, 32, 64)[seed % 3 if dtype == torch.float32 else 2],
+                               progress=False)
+        return t, rng.integers(0, t.shape[0], b).astype(np.int64)
+
+    tables = [make(s) for s in range(40)]  # more than a thread's plan slots (32)
+    off = np.arange(b + 1, dtype=np.int64)
+    for isa in every_isa():
+        for rnd in range(3):
+            if rnd == 2:  # drop half the tables, make new ones in their place
+                tables[::2] = [make(100 + s) for s in range(20)]
+            got = lookup_many([(t, ids, off, None, "sum") for t, ids in tables], b)
+            want = torch.cat([t.decompress()[torch.from_numpy(ids)].float() for t, ids in tables], dim=1)
+            assert torch.equal(got, want), f"isa {isa}, round {rnd}"
+    assert ibp_embed.release_thread_buffers() > 0
