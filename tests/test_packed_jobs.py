@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ibp_embed
+from ibp_embed import packed_jobs
 from ibp_embed.packed_jobs import _JOB, PackedJobs
 from ibp_embed._native import ffi
 
@@ -63,9 +64,38 @@ def test_packed_jobs_match_each_tables_lookup(seed, n_keys, n_jobs, n_bags, weig
     values, offsets = kjt_layout(rng, n_keys, n_bags, n_rows)
     weights = rng.standard_normal(values.size).astype(np.float32) if weighted else None
     key_index = rng.integers(0, n_keys, n_jobs)  # any order, keys read twice or not at all
-    got = PackedJobs(tables, modes, key_index)(values, offsets, weights, n_bags, lambda k: f"job {k}")
-    assert got.shape == (n_bags, sum(t.shape[1] for t in tables))
-    assert_bits_equal(got, expected(tables, modes, key_index, values, offsets, weights, n_bags))
+    want = expected(tables, modes, key_index, values, offsets, weights, n_bags)
+    for ids_per_row in (0, 10**9):  # small tables' decoded copies never / always
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(packed_jobs, "COPY_IDS_PER_ROW", ids_per_row)
+            jobs = PackedJobs(tables, modes, key_index)
+            got = jobs(values, offsets, weights, n_bags, lambda k: f"job {k}")
+        assert got.shape == (n_bags, sum(t.shape[1] for t in tables))
+        assert_bits_equal(got, want)
+        named = [offsets[(k + 1) * n_bags] > offsets[k * n_bags] and not t.is_raw for t, k in zip(tables, key_index)]
+        assert (jobs.copy_nbytes > 0) == (ids_per_row > 0 and any(named))
+
+
+def test_small_tables_are_copied_once_where_calls_name_few_ids_a_row():
+    small = ibp_embed.compress(structured(100, 8, torch.float32), progress=False)
+    big = ibp_embed.compress(structured(packed_jobs.COPY_MAX_BYTES // 32 + 1, 8, torch.float32), progress=False)
+    raw = ibp_embed.CompressedTable.raw(np.zeros((50, 32), np.uint8), torch.float32, 8)
+    assert not small.is_raw and not big.is_raw and raw.is_raw
+    jobs = PackedJobs([small, big, small, raw], ["sum"] * 4, [0, 1, 2, 3])
+    values, offsets = np.arange(12, dtype=np.int64) % 50, np.arange(13, dtype=np.int64)  # 4 keys, 3 bags of 1
+    got = jobs(values, offsets, None, 3, str)
+    assert jobs.copy_nbytes == small.raw_nbytes  # one copy for both of its jobs; none of big or raw
+    assert jobs._copies[0] is jobs._copies[2] and jobs._copies[1] is None and jobs._copies[3] is None
+    assert jobs._copies[0]._payload.ctypes.data % 64 == 0 and jobs._copies[0].is_raw
+    assert torch.equal(jobs._copies[0].decompress(), small.decompress())
+    assert_bits_equal(got, expected(jobs.tables, ["sum"] * 4, range(4), values, offsets, None, 3))
+    with pytest.raises(IndexError, match=r"^job 2: id 100 out of range for a table of 100 rows$"):
+        jobs(np.where(np.arange(12) == 7, 100, values), offsets, None, 3, lambda k: f"job {k}")
+    lots = PackedJobs([small], ["sum"], [0])  # COPY_IDS_PER_ROW ids a row: the native path
+    ids = np.arange(packed_jobs.COPY_IDS_PER_ROW * 100, dtype=np.int64) % 100
+    assert_bits_equal(lots(ids, np.array([0, 500, ids.size]), None, 2, str),
+                      expected([small], ["sum"], [0], ids, np.array([0, 500, ids.size]), None, 2))
+    assert lots.copy_nbytes == 0
 
 
 def test_packed_jobs_refuse_bad_input():
@@ -82,6 +112,8 @@ def test_packed_jobs_refuse_bad_input():
         PackedJobs([t.decompress()], ["sum"], [0])
     with pytest.raises(ValueError, match="as many"):
         PackedJobs([t], ["sum", "sum"], [0])
+    with pytest.raises(ValueError, match="negative"):
+        PackedJobs([t], ["sum"], [-1])
     assert PackedJobs([], [], [])(values, offsets, None, 2, str).shape == (2, 0)
     assert PackedJobs([t], ["sum"], [0])(values[:0], offsets[:1], None, 0, str).shape == (0, 4)
 
@@ -135,6 +167,16 @@ def test_module_cache_follows_keys_and_tables():
         bad.values()[-1] = 30
         bad.values()[:-1] = 0
         ebc2(bad)
+
+
+def test_module_reports_its_lookup_copies():
+    ebc = collection([30, 40])
+    stats = ebc.memory_stats()
+    assert stats["lookup_copy_bytes"] == 0 and stats["total_bytes"] == stats["compressed_bytes"]
+    ebc(kjt(["f0", "f1"], 2, 30, seed=4))  # a few ids a row: both tables copied
+    stats = ebc.memory_stats()
+    assert stats["lookup_copy_bytes"] == ebc.raw_nbytes
+    assert stats["total_bytes"] == stats["compressed_bytes"] + stats["lookup_copy_bytes"]
 
 
 def test_module_cache_survives_copies_and_pickles():

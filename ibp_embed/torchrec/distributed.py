@@ -219,11 +219,13 @@ class IBPShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def ibp_memory_stats(self) -> Dict[str, int]:
         """This rank's IBP shards: ibp_embed.store.memory_stats figures, plus the fused
-        optimizer state (optimizer_state_bytes)."""
+        optimizer state (optimizer_state_bytes) and the decoded copies of small shards
+        that lookups of few ids a row read (lookup_copy_bytes, ibp_embed.packed_jobs)."""
         kernels = self.ibp_kernels()
         stats = memory_stats(t for k in kernels for t in k.compressed_tables() if t is not None)
         stats["optimizer_state_bytes"] = sum(v.numel() * v.element_size() for k in kernels
                                              for s in k._states for v in s.values())
+        stats["lookup_copy_bytes"] = sum(k.lookup_copy_nbytes for k in kernels)
         return stats
 
     def reset_parameters(self) -> None:

@@ -123,6 +123,11 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
     def compressed_tables(self) -> List[Optional[CompressedTable]]:
         return list(self._tables)
 
+    @property
+    def lookup_copy_nbytes(self) -> int:
+        """Bytes of the decoded copies of small shards its inference lookups made."""
+        return self._job_cache.copy_nbytes
+
     def _table(self, i: int):
         table = self._tables[i]
         if table is None:

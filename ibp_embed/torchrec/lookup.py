@@ -166,6 +166,12 @@ class JobCache:
     def __setstate__(self, state):
         self._entry = None
 
+    @property
+    def copy_nbytes(self) -> int:
+        """Bytes of the small tables' decoded copies its jobs made (PackedJobs)."""
+        entry = self._entry
+        return entry[3].copy_nbytes if entry is not None else 0
+
     def lookup(self, kjt: KeyedJaggedTensor, tables: tuple, slots_for, weighted: bool, who: str) -> torch.Tensor:
         """pooled_lookup(kjt, slots, weighted, who, key_index) for the (slots, key_index)
         that slots_for(keys) returns, asked again only when the keys or `tables` (the

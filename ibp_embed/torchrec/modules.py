@@ -310,15 +310,18 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         figures: raw_bytes, compressed_bytes held now, packed_bytes, and for trainable
         tables live / slack / dead / free / index bytes), plus
         optimizer_state_bytes: the optimizer state (uncompressed);
+        lookup_copy_bytes: decoded copies of small tables that lookups of few ids a
+            row read (ibp_embed.packed_jobs), made by the first such lookup;
         cache_bytes, device_bytes (on cuda): device memory of the HBM row caches, and
             all the device memory the tables hold (caches, codebooks, offsets indexes);
-        total_bytes: compressed_bytes + optimizer_state_bytes;
+        total_bytes: compressed_bytes + optimizer_state_bytes + lookup_copy_bytes;
         raw_total_bytes: raw_bytes + optimizer_state_bytes (the uncompressed model with
             the same optimizer state, for comparison)."""
         stats = memory_stats(b.table for b in self.embedding_bags.values() if b.table is not None)
         opt = self.optimizer_state_nbytes
-        stats.update(raw_bytes=self.raw_nbytes, optimizer_state_bytes=opt,
-                     total_bytes=stats["compressed_bytes"] + opt, raw_total_bytes=self.raw_nbytes + opt)
+        copies = self._job_cache.copy_nbytes
+        stats.update(raw_bytes=self.raw_nbytes, optimizer_state_bytes=opt, lookup_copy_bytes=copies,
+                     total_bytes=stats["compressed_bytes"] + opt + copies, raw_total_bytes=self.raw_nbytes + opt)
         if self._device.type == "cuda":
             placed = [b.device_table for b in self.embedding_bags.values() if b.device_table is not None]
             stats["cache_bytes"] = sum(d.cache_nbytes for d in placed)
