@@ -1,0 +1,45 @@
+"""benchmarks/serving.py (the IBP collection against TorchRec's fused EBC at small batches) on a
+tiny configuration."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import serving  # noqa: E402
+
+TINY = ["--dim", "8", "--scale", "0.0002", "--batches", "1,5", "--pooling", "3", "--calls", "2", "--repeats", "1"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_each_batch_is_timed_and_checked(tmp_path, dtype):
+    got = serving.main(TINY + ["--dtype", dtype, "--results-dir", str(tmp_path)])
+    assert [r["batch"] for r in got["runs"]] == [1, 5]
+    for r in got["runs"]:
+        assert r["fused_us"] > 0 and r["ibp_us"] > 0 and r["speed"] == r["fused_us"] / r["ibp_us"]
+    saved = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
+    assert saved["runs"] == json.loads(json.dumps(got["runs"]))
+
+
+def test_a_wrong_output_stops_it(tmp_path, monkeypatch):
+    real = serving.ibp_ebc
+
+    def wrong(*a):
+        ebc = real(*a)
+        forward = ebc.forward
+        ebc.forward = lambda kjt: type(forward(kjt))(keys=forward(kjt).keys(), values=forward(kjt).values() + 1,
+                                                     length_per_key=forward(kjt).length_per_key())
+        return ebc
+
+    monkeypatch.setattr(serving, "ibp_ebc", wrong)
+    with pytest.raises(SystemExit, match="differs from the fused EBC"):
+        serving.main(TINY + ["--results-dir", str(tmp_path)])
+
+
+def test_bad_arguments():
+    for bad in (["--batches", "0"], ["--batches", "1k"], ["--dim", "0"], ["--calls", "0"], ["--scale", "2"]):
+        with pytest.raises(SystemExit):
+            serving.parse(bad)
+    assert serving.parse([]).sizes == [1, 16, 128, 1024]
