@@ -11,12 +11,14 @@ batch's pointers for all jobs with a few vectorized stores.
 
 Small tables are looked up from a decoded copy where a call names few ids a row of
 them. The native lookup decodes a call's distinct rows of a table into a per-thread
-cache, or from IBP_FILL_IDS_PER_ROW (10) ids a row the whole table, call after call:
-at inference batch sizes a table of a thousand rows then decodes most of its rows
-for each few dozen bags. A table of up to COPY_MAX_BYTES raw keeps its rows decoded
-(bit-exact, a raw table, made by the first call that needs it and held by these
-jobs: memory_stats' lookup_copy_bytes), and calls naming fewer than
-COPY_IDS_PER_ROW ids a row of it pool from the copy as FBGEMM pools from its table.
+cache, or, from IBP_FILL_IDS_PER_ROW (10) ids a row a thread, the whole table, call
+after call: at inference batch sizes a table of a thousand rows then decodes most of
+its rows for each few dozen bags. A table of up to COPY_MAX_BYTES raw keeps its rows
+decoded (bit-exact, a raw table, made by the first call that needs it: memory_stats'
+lookup_copy_bytes), and calls naming fewer than COPY_IDS_PER_ROW ids a row of it pool
+from the copy as FBGEMM pools from its table. A table whose copy cannot be made (a
+corrupt row, in a table loaded without verification) is looked up as before, where
+only the calls that name the row fail.
 The 26 Criteo tables (scale 0.01: 14 copies, 3.5 MB at fp32 d64), one call, P20
 Zipf ids, against no copies (1 thread, a Zen 4 EPYC, both orders in one process):
 fp32 d64 B16 0.72x the time, B128 0.68-0.71x, B512 0.86-0.96x; fp16 d64 B16 0.77x,
@@ -35,11 +37,12 @@ import torch
 from . import _native
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES
+from .errors import FormatError
 from .table import _MODES, CompressedTable, _check_lookup_rc
 
 # Small tables' decoded copies (see the module's doc)
 COPY_MAX_BYTES = 1 << 20
-COPY_IDS_PER_ROW = 10  # libibp's IBP_FILL_IDS_PER_ROW: from there it decodes the whole table a call
+COPY_IDS_PER_ROW = 10  # libibp's IBP_FILL_IDS_PER_ROW (a thread): from there it decodes the whole table
 
 
 def _job_dtype() -> np.dtype:
@@ -63,7 +66,7 @@ _JOB = _job_dtype()
 
 
 def decoded_copy(t: CompressedTable) -> CompressedTable:
-    """t's rows decoded (bit-exact), as a raw table whose rows start on cache lines."""
+    """t's rows decoded (bit-exact), as a raw table whose payload starts on a cache line."""
     buf = np.empty(t.raw_nbytes + 64, dtype=np.uint8)
     start = -buf.ctypes.data % 64
     rows = buf[start:start + t.raw_nbytes]
@@ -84,62 +87,70 @@ class PackedJobs:
     own copy of the jobs; small tables' decoded copies are made under a lock and then
     kept (see the module's doc)."""
 
-    def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int]):
-        self.tables = tuple(tables)
-        if not len(self.tables) == len(modes) == len(key_index):
-            raise ValueError(f"{len(self.tables)} tables need as many modes and key indices, got "
+    def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int],
+                 hold: bool = True, copy_of: Callable[[CompressedTable], CompressedTable] = decoded_copy):
+        tables = tuple(tables)
+        # hold=False: the caller keeps the tables alive across every call (and passes
+        # table_of to make copies), so that these jobs do not keep tables it dropped
+        self._held = tables if hold else None
+        self._copy_of_table = copy_of  # a small table's decoded copy (the caller may keep them)
+        if not len(tables) == len(modes) == len(key_index):
+            raise ValueError(f"{len(tables)} tables need as many modes and key indices, got "
                              f"{len(modes)} and {len(key_index)}")
-        for k, t in enumerate(self.tables):
+        for k, t in enumerate(tables):
             if not isinstance(t, CompressedTable):
                 raise TypeError(f"job {k}: a CompressedTable, not {type(t).__name__}")
             if t.dtype not in LOOKUP_DTYPES:
                 raise TypeError(f"job {k}: pooled lookups need a float32, float16 or bfloat16 table, not {t.dtype}")
-        dims = [t.shape[1] for t in self.tables]
+        dims = [t.shape[1] for t in tables]
         self.width = sum(dims)
         self.key_index = np.asarray(key_index, dtype=np.int64).reshape(-1)
         if self.key_index.size and self.key_index.min() < 0:
             raise ValueError(f"key indices must not be negative, got {self.key_index.tolist()}")
         self._cols = np.zeros(len(dims), dtype=np.uint64)  # each job's first output byte
         self._cols[1:] = 4 * np.cumsum(dims[:-1], dtype=np.uint64)
-        jobs = np.zeros(len(self.tables), dtype=_JOB)
-        jobs["table"] = [int(ffi.cast("uintptr_t", t._c)) for t in self.tables]
-        jobs["dtype"] = [LOOKUP_DTYPES[t.dtype] for t in self.tables]
+        jobs = np.zeros(len(tables), dtype=_JOB)
+        jobs["table"] = [int(ffi.cast("uintptr_t", t._c)) for t in tables]
+        jobs["dtype"] = [LOOKUP_DTYPES[t.dtype] for t in tables]
         jobs["dim"] = dims
         jobs["mode"] = [_MODES[m] for m in modes]
         jobs["out_stride"] = self.width
         self._template = jobs
         self._table_ptr = jobs["table"].copy()
-        self._rows = np.array([t.shape[0] for t in self.tables], dtype=np.int64)
-        self._small = np.array([not t.is_raw and 0 < t.raw_nbytes <= COPY_MAX_BYTES for t in self.tables], dtype=bool)
-        self._copies = [None] * len(self.tables)  # decoded_copy(tables[k]) once made; never replaced
-        self._copy_of = {}  # id(table) -> its copy, for tables read by several jobs
-        self._copy_ptr = np.zeros(len(self.tables), dtype=np.uint64)
+        self._rows = np.array([t.shape[0] for t in tables], dtype=np.int64)
+        self._small = np.array([not t.is_raw and 0 < t.raw_nbytes <= COPY_MAX_BYTES for t in tables], dtype=bool)
+        self._copies = [None] * len(tables)  # copy_of(job k's table) once made; never replaced
+        self._table_ids = [id(t) for t in tables]  # jobs of one table share its copy
+        self._copy_ptr = np.zeros(len(tables), dtype=np.uint64)
         self._copy_lock = threading.Lock()
 
     @property
     def copy_nbytes(self) -> int:
         """Bytes of the small tables' decoded copies made so far."""
-        return sum(c.nbytes for c in list(self._copy_of.values()))
+        return sum(c.nbytes for c in {id(c): c for c in self._copies if c is not None}.values())
 
-    def _make_copies(self, jobs) -> None:
+    def _make_copies(self, jobs, table_of) -> None:
         with self._copy_lock:  # a copy's pointer is published once its table is kept
             for k in jobs:
-                if self._copies[k] is None:
-                    t = self.tables[k]
-                    copy = self._copy_of.get(id(t))
-                    if copy is None:
-                        copy = self._copy_of[id(t)] = decoded_copy(t)
+                if self._copies[k] is None and self._small[k]:
+                    same = [c for c, i in zip(self._copies, self._table_ids) if c is not None and i == self._table_ids[k]]
+                    try:
+                        copy = same[0] if same else self._copy_of_table(table_of(k))
+                    except (FormatError, MemoryError):  # a corrupt row: only the calls that name it fail
+                        self._small[k] = False
+                        continue
                     self._copies[k] = copy
                     self._copy_ptr[k] = int(ffi.cast("uintptr_t", copy._c))
 
     def __call__(self, values: np.ndarray, offsets: np.ndarray, weights, n_bags: int,
-                 what: Callable[[int], str]) -> torch.Tensor:
+                 what: Callable[[int], str], table_of: Callable[[int], CompressedTable] = None) -> torch.Tensor:
         """[n_bags, width] float32. values int64, offsets int64 [n_keys * n_bags + 1]
         from 0 to len(values) without decreasing, weights float32 like values or None,
         all contiguous and checked by the caller (libibp checks every id it reads and
-        each job's offsets). An out-of-range id raises IndexError naming what(job)."""
+        each job's offsets). An out-of-range id raises IndexError naming what(job).
+        table_of(job): the job's table (given where the jobs do not hold them)."""
         out = torch.empty((n_bags, self.width), dtype=torch.float32)
-        n = len(self.tables)
+        n = self._rows.size
         if n == 0 or n_bags == 0:
             return out
         n_keys = (offsets.size - 1) // n_bags
@@ -158,7 +169,8 @@ class PackedJobs:
         copy = self._small & (n_ids > 0) & (n_ids < COPY_IDS_PER_ROW * self._rows)
         if copy.any():
             if not self._copy_ptr[copy].all():
-                self._make_copies(np.flatnonzero(copy))
+                self._make_copies(np.flatnonzero(copy), table_of or self._held.__getitem__)
+                copy &= self._copy_ptr != 0
             jobs["table"] = np.where(copy, self._copy_ptr, self._table_ptr)
         jobs["indices"] = np.uint64(values.ctypes.data) + np.uint64(8) * first
         jobs["offsets"] = np.uint64(rel.ctypes.data) + np.uint64(8 * (n_bags + 1)) * self.key_index.astype(np.uint64)
@@ -170,7 +182,7 @@ class PackedJobs:
         rc = lib.ibp_lookup_many(ffi.cast("const ibp_lookup_job *", jobs.ctypes.data), n, failed)
         if rc != lib.IBP_OK:
             k = int(failed[0])
-            key, n_rows = int(self.key_index[k]), self.tables[k].shape[0]
+            key, n_rows = int(self.key_index[k]), int(self._rows[k])
             ids = values[int(starts[key]):int(starts[key] + rel[key, n_bags])]
             bad = ids[(ids < 0) | (ids >= n_rows)]
             if rc == lib.IBP_E_INDEX and bad.size:

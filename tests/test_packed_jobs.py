@@ -88,7 +88,7 @@ def test_small_tables_are_copied_once_where_calls_name_few_ids_a_row():
     assert jobs._copies[0] is jobs._copies[2] and jobs._copies[1] is None and jobs._copies[3] is None
     assert jobs._copies[0]._payload.ctypes.data % 64 == 0 and jobs._copies[0].is_raw
     assert torch.equal(jobs._copies[0].decompress(), small.decompress())
-    assert_bits_equal(got, expected(jobs.tables, ["sum"] * 4, range(4), values, offsets, None, 3))
+    assert_bits_equal(got, expected([small, big, small, raw], ["sum"] * 4, range(4), values, offsets, None, 3))
     with pytest.raises(IndexError, match=r"^job 2: id 100 out of range for a table of 100 rows$"):
         jobs(np.where(np.arange(12) == 7, 100, values), offsets, None, 3, lambda k: f"job {k}")
     lots = PackedJobs([small], ["sum"], [0])  # COPY_IDS_PER_ROW ids a row: the native path
@@ -96,6 +96,25 @@ def test_small_tables_are_copied_once_where_calls_name_few_ids_a_row():
     assert_bits_equal(lots(ids, np.array([0, 500, ids.size]), None, 2, str),
                       expected([small], ["sum"], [0], ids, np.array([0, 500, ids.size]), None, 2))
     assert lots.copy_nbytes == 0
+
+
+def test_a_table_whose_copy_fails_is_looked_up_as_before():
+    """A corrupt row (a table built without validation): no copy, and only the calls
+    that name the row fail."""
+    from helpers import magnitude_clusters
+
+    t = ibp_embed.compress(magnitude_clusters(), clusters=4, progress=False)
+    payload = np.array(t._payload)
+    payload[int(t._row_starts()[7])] = 200  # row 7's cluster byte names no cluster
+    bad = ibp_embed.CompressedTable(shape=t.shape, dtype=t.dtype, word_bits=t.word_bits, masks=t._masks,
+                                    bitvals=t._bitvals, block_base=t._block_base, rel=t._rel, payload=payload,
+                                    payload_bytes=t._payload_bytes, validate=False)
+    jobs = PackedJobs([bad], ["sum"], [0])
+    values, offsets = np.array([1, 2, 3], np.int64), np.array([0, 2, 3], np.int64)
+    assert_bits_equal(jobs(values, offsets, None, 2, str), expected([t], ["sum"], [0], values, offsets, None, 2))
+    assert jobs.copy_nbytes == 0
+    with pytest.raises(ibp_embed.FormatError):
+        jobs(np.array([1, 7, 3], np.int64), offsets, None, 2, str)
 
 
 def test_packed_jobs_refuse_bad_input():
@@ -177,6 +196,46 @@ def test_module_reports_its_lookup_copies():
     stats = ebc.memory_stats()
     assert stats["lookup_copy_bytes"] == ebc.raw_nbytes
     assert stats["total_bytes"] == stats["compressed_bytes"] + stats["lookup_copy_bytes"]
+
+
+def test_module_cache_does_not_keep_dropped_tables():
+    import gc
+    import weakref
+
+    ebc = collection([30, 40])
+    features = kjt(["f0", "f1"], 3, 30, seed=2)
+    ebc(features)
+    old = weakref.ref(ebc.embedding_bags["t0"].table)
+    ebc.load_state_dict({k: v + 1 for k, v in ebc.state_dict().items()})
+    gc.collect()
+    assert old() is None  # freed before any call rebuilds the jobs
+    assert_bits_equal(ebc(features).values(), reference_values(ebc, features))
+
+
+def test_module_cache_never_runs_jobs_of_freed_tables():
+    """A module made trainable (its tables replaced and freed), then moved to meta (no
+    tables): an eager call must say the module has no weights, not run the jobs built
+    for the freed tables."""
+    from ibp_embed.optim import SGD
+
+    ebc = collection([300, 400])
+    features = kjt(["f0", "f1"], 3, 300, seed=2)
+    with torch.no_grad():
+        ebc(features)
+    ebc.set_optimizer(SGD(lr=0.1))
+    ebc.to("meta")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="meta device"):
+        ebc(features)
+
+
+def test_module_copies_outlive_a_change_of_keys():
+    ebc = collection([30, 40])
+    with torch.no_grad():
+        ebc(kjt(["f0", "f1"], 2, 30, seed=1))
+        copies = dict(ebc._job_cache._copies)
+        ebc(kjt(["f1", "f0"], 2, 30, seed=1))  # new jobs, the same copies
+    assert {k: c for k, (_, c) in ebc._job_cache._copies.items()} == {k: c for k, (_, c) in copies.items()}
+    assert ebc.memory_stats()["lookup_copy_bytes"] == ebc.raw_nbytes
 
 
 def test_module_cache_survives_copies_and_pickles():

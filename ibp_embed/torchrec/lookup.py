@@ -5,6 +5,7 @@ function that applies the sparse optimizer in backward.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
@@ -13,7 +14,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
-from ..packed_jobs import PackedJobs
+from ..packed_jobs import PackedJobs, decoded_copy
 from ..table import CompressedTable, _lookup_many_checked
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
@@ -151,11 +152,18 @@ def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool,
 class JobCache:
     """An inference module's lookup jobs (PackedJobs), built on its first call and
     again whenever its tables or the input's keys change (identity of each table,
-    the keys' order), so that a call neither builds slots nor fills jobs. Copies and
-    pickles of the module start empty (the jobs hold the tables' native handles)."""
+    the keys' order), so that a call neither builds slots nor fills jobs, and the
+    decoded copies of its small tables (by table), made once. It holds the tables by
+    weak reference only: the jobs (built with hold=False) run only while each of the
+    module's tables is alive and the one they were built for, and a table the module
+    drops takes the jobs and its copy with it when it is freed. Copies and pickles of
+    the module start empty (the jobs hold the tables' native handles)."""
 
     def __init__(self):
-        self._entry = None  # (tables, keys, slots, PackedJobs), replaced whole: calls may race
+        # (weak refs to the tables, keys, per job its table's position in them, what(job), PackedJobs),
+        # replaced whole: calls may race
+        self._entry = None
+        self._copies = {}  # id(table) -> (weak ref to it, its decoded copy)
 
     def __deepcopy__(self, memo):
         return JobCache()
@@ -164,32 +172,50 @@ class JobCache:
         return {}
 
     def __setstate__(self, state):
-        self._entry = None
+        self.__init__()
 
     @property
     def copy_nbytes(self) -> int:
-        """Bytes of the small tables' decoded copies its jobs made (PackedJobs)."""
-        entry = self._entry
-        return entry[3].copy_nbytes if entry is not None else 0
+        """Bytes of the decoded copies of the module's small tables (PackedJobs)."""
+        return sum(c.nbytes for _, c in list(self._copies.values()))
+
+    def _forget(self, key) -> None:  # a table died: its jobs and copy go too
+        self._entry = None
+        self._copies.pop(key, None)
+
+    def _copy(self, table: CompressedTable) -> CompressedTable:
+        """table's decoded copy, made once while it lives (PackedJobs' copy_of)."""
+        got = self._copies.get(id(table))
+        if got is None or got[0]() is not table:
+            me = weakref.ref(self)
+            key = id(table)
+            ref = weakref.ref(table, lambda _, me=me, key=key: me() is not None and me()._forget(key))
+            got = self._copies[key] = (ref, decoded_copy(table))
+        return got[1]
 
     def lookup(self, kjt: KeyedJaggedTensor, tables: tuple, slots_for, weighted: bool, who: str) -> torch.Tensor:
         """pooled_lookup(kjt, slots, weighted, who, key_index) for the (slots, key_index)
         that slots_for(keys) returns, asked again only when the keys or `tables` (the
-        module's tables, whose identities the entry holds) change; pooled_lookup itself
+        module's tables, whose slots' tables are among them) change; pooled_lookup itself
         where the tables are not all CompressedTables or the input is on meta."""
         keys = tuple(kjt.keys())
         entry = self._entry
-        if entry is None or entry[1] != keys or len(entry[0]) != len(tables) or \
-                any(a is not b for a, b in zip(entry[0], tables)) or kjt.values().device.type == "meta":
+        if kjt.values().device.type == "meta" or entry is None or entry[1] != keys or \
+                len(entry[0]) != len(tables) or any(t is None or r() is not t for r, t in zip(entry[0], tables)):
             slots, key_index = slots_for(keys)
-            if kjt.values().device.type == "meta" or not all(isinstance(t, CompressedTable) for t in tables):
+            position = {id(t): i for i, t in enumerate(tables) if isinstance(t, CompressedTable)}
+            if kjt.values().device.type == "meta" or len(position) != len(tables) or \
+                    any(id(s.table) not in position for s in slots):  # (tables replaced meanwhile: uncached)
                 return pooled_lookup(kjt, slots, weighted, who, key_index)
-            packed = PackedJobs([s.table for s in slots], [s.mode for s in slots], key_index)
-            entry = self._entry = (tables, keys, slots, packed)
-        slots, packed = entry[2], entry[3]
+            names = [f"{who}: feature {s.feature!r} of table {s.table_name!r}" for s in slots]
+            packed = PackedJobs([s.table for s in slots], [s.mode for s in slots], key_index, hold=False,
+                                copy_of=self._copy)
+            me = weakref.ref(self)
+            refs = tuple(weakref.ref(t, lambda _, me=me: me() is not None and me()._forget(None)) for t in tables)
+            entry = self._entry = (refs, keys, [position[id(s.table)] for s in slots], names.__getitem__, packed)
+        _, _, table_pos, what, packed = entry
         vals, off, w, b = _kjt_parts(kjt, len(keys), weighted, who)
-        return packed(vals, off, w, b, lambda k: f"{who}: feature {slots[k].feature!r} of table "
-                                                 f"{slots[k].table_name!r}")
+        return packed(vals, off, w, b, what, lambda k: tables[table_pos[k]])
 
 
 def lookup_jobs(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool, who: str,
