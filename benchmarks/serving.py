@@ -10,9 +10,9 @@ rows of each table. Here the 26 Criteo Kaggle tables (cardinalities x --scale, t
 quick set's 0.01 by default) are looked up by an IBPEmbeddingBagCollection and by
 TorchRec's FusedEmbeddingBagCollection (FBGEMM's TBE, HOST) with the same weights,
 forward only under no_grad, one KeyedJaggedTensor of B bags of P Zipf(1.05) ids a
-feature, 1 thread, calls interleaved (common.time_interleaved, --calls calls a round).
-Outputs are checked against the fused EBC's (float32: bit for bit; float16: to
-1e-3). Results: a markdown table (median us a call and the ratio fused / IBP, above
+feature, 1 thread (--threads), calls interleaved (common.time_interleaved, --calls
+calls a round). Outputs are checked against the fused EBC's (float32: bit for bit;
+float16: to 1e-3). Results: a markdown table (median us a call and the ratio fused / IBP, above
 1 where the IBP collection is faster) and benchmarks/results/serving-<UTC time>.json.
 """
 from __future__ import annotations
@@ -43,13 +43,14 @@ def parse(argv=None):
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--calls", type=int, default=20, help="calls a timed round (default 20)")
     p.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
+    p.add_argument("--threads", type=int, default=1, help="torch and libibp threads (default 1)")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
     try:
         args.sizes = [int(b) for b in args.batches.split(",")]
     except ValueError:
         p.error(f"--batches takes comma-separated integers, not {args.batches!r}")
-    for name in ("dim", "pooling", "calls", "repeats"):
+    for name in ("dim", "pooling", "calls", "repeats", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     if min(args.sizes) < 1 or not 0 < args.scale <= 1:
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
             dst.copy_(w)
     fused, ibp = torchrec_fused_ebc(tbe, [args.dim] * len(rows)), ibp_ebc(tables, [args.dim] * len(rows), dtype)
     runs = []
-    with torch.no_grad(), common.threads(1):
+    with torch.no_grad(), common.threads(args.threads):
         for b in args.sizes:
             print(f"[serving] B{b} x P{args.pooling}", file=sys.stderr, flush=True)
             kjt = make_batch(rows, Workload(b, args.pooling, 1.05), args.pooling + b, [None] * len(rows)).kjt
@@ -86,7 +87,8 @@ def main(argv=None) -> dict:
             us = {k: t[k]["median_s"] / args.calls * 1e6 for k in ("fused", "ibp")}
             runs.append({"batch": b, "fused_us": us["fused"], "ibp_us": us["ibp"], "speed": us["fused"] / us["ibp"]})
     print(f"{len(rows)} Criteo tables x {args.scale:g}, {args.dtype} d{args.dim}, P{args.pooling} Zipf 1.05, "
-          f"forward under no_grad, 1 thread, median of {args.repeats} interleaved rounds of {args.calls} calls; "
+          f"forward under no_grad, {args.threads} thread(s), median of {args.repeats} interleaved rounds of "
+          f"{args.calls} calls; "
           f"load average {common.load_average()}\n")
     print(common.markdown_table(["batch", "TorchRec fused EBC us", "IBP collection us", "fused / IBP"],
                                 [[r["batch"], common.fmt(r["fused_us"], 1), common.fmt(r["ibp_us"], 1),

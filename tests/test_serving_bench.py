@@ -39,7 +39,8 @@ def test_a_wrong_output_stops_it(tmp_path, monkeypatch):
 
 
 def test_bad_arguments():
-    for bad in (["--batches", "0"], ["--batches", "1k"], ["--dim", "0"], ["--calls", "0"], ["--scale", "2"]):
+    for bad in (["--batches", "0"], ["--batches", "1k"], ["--dim", "0"], ["--calls", "0"], ["--scale", "2"],
+                ["--threads", "0"]):
         with pytest.raises(SystemExit):
             serving.parse(bad)
     assert serving.parse([]).sizes == [1, 16, 128, 1024]
