@@ -4,7 +4,7 @@ A module's lookups (IBPEmbeddingBagCollection, the DMP kernel) name the same tab
 dims, modes and output columns call after call; only the batch's pointers change.
 Built per call (Slot objects, each feature's id and offset slices, a cffi job
 filled field by field as _lookup_many_checked fills it), the jobs took about 170 of
-the 254 us a B1 forward into the 26 Criteo tables took, against 117-123 us for
+the 254 us a B1 forward into the 26 Criteo tables took, against 115-134 us for
 TorchRec's fused EBC (1 thread, a Zen 4 EPYC). Here the jobs live in a NumPy array
 laid out as ``ibp_lookup_job`` (field offsets from cffi), and a call writes a
 batch's pointers for all jobs with a few vectorized stores.
@@ -19,7 +19,7 @@ lookup_copy_bytes), and calls naming fewer than COPY_IDS_PER_ROW ids a row of it
 from the copy as FBGEMM pools from its table. A table whose copy cannot be made (a
 corrupt row, in a table loaded without verification) is looked up as before, where
 only the calls that name the row fail.
-The 26 Criteo tables (scale 0.01: 14 copies, 3.5 MB at fp32 d64), one call, P20
+The 26 Criteo tables (scale 0.01: 14 copies, 3.6 MB at fp32 d64), one call, P20
 Zipf ids, against no copies (1 thread, a Zen 4 EPYC, both orders in one process):
 fp32 d64 B16 0.72x the time, B128 0.68-0.71x, B512 0.86-0.96x; fp16 d64 B16 0.77x,
 B128 0.75x, B512 0.86x; fp32 d128 B16 0.71x, B128 0.78x. Copies for every call
