@@ -15,8 +15,8 @@ cache, or, from IBP_FILL_IDS_PER_ROW (10) ids a row a thread, the whole table, c
 after call: at inference batch sizes a table of a thousand rows then decodes most of
 its rows for each few dozen bags. A table of up to COPY_MAX_BYTES raw keeps its rows
 decoded (bit-exact, a raw table, made by the first call that needs it: memory_stats'
-lookup_copy_bytes), and calls naming fewer than COPY_IDS_PER_ROW ids a row of it pool
-from the copy as FBGEMM pools from its table. A table whose copy cannot be made (a
+lookup_copy_bytes), and calls naming fewer than COPY_IDS_PER_ROW ids a row of it a
+libibp thread pool from the copy as FBGEMM pools from its table. A table whose copy cannot be made (a
 corrupt row, in a table loaded without verification) is looked up as before, where
 only the calls that name the row fail.
 The 26 Criteo tables (scale 0.01: 14 copies, 3.6 MB at fp32 d64), one call, P20
@@ -24,7 +24,9 @@ Zipf ids, against no copies (1 thread, a Zen 4 EPYC, both orders in one process)
 fp32 d64 B16 0.72x the time, B128 0.68-0.71x, B512 0.86-0.96x; fp16 d64 B16 0.77x,
 B128 0.75x, B512 0.86x; fp32 d128 B16 0.71x, B128 0.78x. Copies for every call
 took 1.08x the time at B768 (15 ids a row of a 1000-row table): the thread's cache
-of the whole table stays in L2 across tables where 14 copies do not.
+of the whole table stays in L2 across tables where 14 copies do not. On 2 threads,
+up to 10 ids a row a thread against 10 a row (fp32 d64): B512 0.77-0.82x the time,
+B768 0.82-0.93x, B1024-B1536 0.97-1.09x (noise; fp16 d64 B512 0.80x, B1024 0.98x).
 """
 from __future__ import annotations
 
@@ -166,7 +168,7 @@ class PackedJobs:
         first = starts[self.key_index].astype(np.uint64)
         jobs = self._template.copy()
         n_ids = rel[self.key_index, n_bags]
-        copy = self._small & (n_ids > 0) & (n_ids < COPY_IDS_PER_ROW * self._rows)
+        copy = self._small & (n_ids > 0) & (n_ids < COPY_IDS_PER_ROW * max(1, lib.ibp_get_num_threads()) * self._rows)
         if copy.any():
             if not self._copy_ptr[copy].all():
                 self._make_copies(np.flatnonzero(copy), table_of or self._held.__getitem__)

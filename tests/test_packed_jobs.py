@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import ibp_embed
 from ibp_embed import packed_jobs
 from ibp_embed.packed_jobs import _JOB, PackedJobs
-from ibp_embed._native import ffi
+from ibp_embed._native import ffi, lib
 
 from helpers import assert_bits_equal, structured
 
@@ -91,11 +91,18 @@ def test_small_tables_are_copied_once_where_calls_name_few_ids_a_row():
     assert_bits_equal(got, expected([small, big, small, raw], ["sum"] * 4, range(4), values, offsets, None, 3))
     with pytest.raises(IndexError, match=r"^job 2: id 100 out of range for a table of 100 rows$"):
         jobs(np.where(np.arange(12) == 7, 100, values), offsets, None, 3, lambda k: f"job {k}")
-    lots = PackedJobs([small], ["sum"], [0])  # COPY_IDS_PER_ROW ids a row: the native path
-    ids = np.arange(packed_jobs.COPY_IDS_PER_ROW * 100, dtype=np.int64) % 100
-    assert_bits_equal(lots(ids, np.array([0, 500, ids.size]), None, 2, str),
-                      expected([small], ["sum"], [0], ids, np.array([0, 500, ids.size]), None, 2))
-    assert lots.copy_nbytes == 0
+    before = lib.ibp_get_num_threads()
+    try:
+        for threads in (1, 2):  # COPY_IDS_PER_ROW ids a row a thread: the native path; one fewer: the copy
+            lib.ibp_set_num_threads(threads)
+            for n_ids, copied in ((packed_jobs.COPY_IDS_PER_ROW * threads * 100, False),
+                                  (packed_jobs.COPY_IDS_PER_ROW * threads * 100 - 1, True)):
+                jobs = PackedJobs([small], ["sum"], [0])
+                ids, off = np.arange(n_ids, dtype=np.int64) % 100, np.array([0, 500, n_ids], np.int64)
+                assert_bits_equal(jobs(ids, off, None, 2, str), expected([small], ["sum"], [0], ids, off, None, 2))
+                assert (jobs.copy_nbytes > 0) == copied
+    finally:
+        lib.ibp_set_num_threads(before)
 
 
 def test_a_table_whose_copy_fails_is_looked_up_as_before():
