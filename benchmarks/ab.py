@@ -383,10 +383,7 @@ def main(argv=None) -> dict | None:
           f"load average {common.load_average()}\n")
     print(common.markdown_table(["measure", "order", "A min ms", "B min ms", "B / A", "A median ms",
                                  "B median ms", "B / A (median)"], rows))
-    result = {"machine": common.machine_info(), "config": config, "runs": runs}
-    path = common.write_json(result, "ab", results_dir=args.results_dir)
-    print(f"\nresults: {path}")
-    return result
+    return common.save_runs("ab", config, runs, args.results_dir)
 
 
 if __name__ == "__main__":

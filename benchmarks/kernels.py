@@ -108,10 +108,7 @@ def main(argv=None) -> dict:
     for mode, title in MODES.items():
         print(f"\n{title}\n")
         print(common.markdown_table(["init", "table", "W", *sets], rows[mode]))
-    result = {"machine": common.machine_info(), "config": vars(args) | {"sets": sets}, "runs": runs}
-    path = common.write_json(result, "kernels", results_dir=args.results_dir)
-    print(f"\nresults: {path}")
-    return result
+    return common.save_runs("kernels", vars(args) | {"sets": sets}, runs, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -103,11 +103,8 @@ def main(argv=None) -> dict:
         ["ids", "rows", "distinct ids", "ibp ratio", "FBGEMM TBE ms", "ibp lookup_many ms", "FBGEMM / ibp"],
         [[r["dist"], r["rows"], f"{r['distinct']:.2f}", f"{r['ratio']:.3f}", common.fmt(r["fbgemm_ms"]),
           common.fmt(r["ibp_ms"]), f"{r['speed']:.2f}x"] for r in runs]))
-    result = {"machine": common.machine_info(), "config": {k: v for k, v in vars(args).items() if k != "dists"},
-              "runs": runs}
-    path = common.write_json(result, "per_table", results_dir=args.results_dir)
-    print(f"\nresults: {path}")
-    return result
+    return common.save_runs("per_table", {k: v for k, v in vars(args).items() if k != "dists"}, runs,
+                            args.results_dir)
 
 
 if __name__ == "__main__":

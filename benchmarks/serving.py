@@ -93,11 +93,8 @@ def main(argv=None) -> dict:
     print(common.markdown_table(["batch", "TorchRec fused EBC us", "IBP collection us", "fused / IBP"],
                                 [[r["batch"], common.fmt(r["fused_us"], 1), common.fmt(r["ibp_us"], 1),
                                   f"{r['speed']:.2f}x"] for r in runs]))
-    result = {"machine": common.machine_info(), "config": {k: v for k, v in vars(args).items() if k != "sizes"},
-              "runs": runs}
-    path = common.write_json(result, "serving", results_dir=args.results_dir)
-    print(f"\nresults: {path}")
-    return result
+    return common.save_runs("serving", {k: v for k, v in vars(args).items() if k != "sizes"}, runs,
+                            args.results_dir)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,11 @@ from . import _native
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES
 from .errors import FormatError
-from .table import _MODES, CompressedTable, _check_lookup_rc
+from .table import _MODES, CompressedTable, _check_lookup_rc, _id_out_of_range
 
 # Small tables' decoded copies (see the module's doc)
 COPY_MAX_BYTES = 1 << 20
-COPY_IDS_PER_ROW = 10  # libibp's IBP_FILL_IDS_PER_ROW (a thread): from there it decodes the whole table
+COPY_IDS_PER_ROW = lib.IBP_FILL_IDS_PER_ROW  # a thread: from there libibp decodes the whole table
 
 
 def _job_dtype() -> np.dtype:
@@ -68,34 +68,27 @@ _JOB = _job_dtype()
 
 
 def decoded_copy(t: CompressedTable) -> CompressedTable:
-    """t's rows decoded (bit-exact), as a raw table whose payload starts on a cache line."""
-    buf = np.empty(t.raw_nbytes + 64, dtype=np.uint8)
-    start = -buf.ctypes.data % 64
-    rows = buf[start:start + t.raw_nbytes]
+    """t's rows decoded (bit-exact), as a raw table."""
+    rows = np.empty((t.shape[0], t._row_bytes), dtype=np.uint8)
     if t.shape[0]:
         _native.check(t._native_decode(ffi.NULL, 0, _native.ptr(rows, "uint8_t *")), "decoded copy")
-    n_words = t.masks.shape[1]
-    return CompressedTable(shape=t.shape, dtype=t.dtype, word_bits=t.word_bits,
-                           masks=np.zeros((0, n_words), np.uint64), bitvals=np.zeros((0, n_words), np.uint64),
-                           block_base=np.zeros(0, np.uint64), rel=np.zeros(0, t._rel.dtype), payload=rows,
-                           payload_bytes=rows.size, validate=False)
+    return CompressedTable.raw(rows, t.dtype, t.shape[1], t.word_bits)
 
 
 class PackedJobs:
     """Lookups of tables[i] (CompressedTables, modes[i] "sum" or "mean") pooling key
     key_index[i] of a batch laid out as a KeyedJaggedTensor's: values, and offsets
     [n_keys * B + 1] key after key. Job i fills columns [D_0 + .. + D_{i-1}, + D_i) of
-    one [B, sum of dims] float32 output. Calls from several threads each write their
-    own copy of the jobs; small tables' decoded copies are made under a lock and then
-    kept (see the module's doc)."""
+    one [B, sum of dims] float32 output. The jobs hold the tables' native handles,
+    not the tables: the caller keeps them alive for every call (JobCache), passes
+    table_of(job) to each call and copy_of(table), a small table's decoded copy (made
+    once and kept by the caller, see the module's doc), here. Calls from several
+    threads each write their own copy of the jobs; copies are taken under a lock."""
 
     def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int],
-                 hold: bool = True, copy_of: Callable[[CompressedTable], CompressedTable] = decoded_copy):
+                 copy_of: Callable[[CompressedTable], CompressedTable]):
         tables = tuple(tables)
-        # hold=False: the caller keeps the tables alive across every call (and passes
-        # table_of to make copies), so that these jobs do not keep tables it dropped
-        self._held = tables if hold else None
-        self._copy_of_table = copy_of  # a small table's decoded copy (the caller may keep them)
+        self._copy_of_table = copy_of
         if not len(tables) == len(modes) == len(key_index):
             raise ValueError(f"{len(tables)} tables need as many modes and key indices, got "
                              f"{len(modes)} and {len(key_index)}")
@@ -109,6 +102,7 @@ class PackedJobs:
         self.key_index = np.asarray(key_index, dtype=np.int64).reshape(-1)
         if self.key_index.size and self.key_index.min() < 0:
             raise ValueError(f"key indices must not be negative, got {self.key_index.tolist()}")
+        self._key_u64 = self.key_index.astype(np.uint64)
         self._cols = np.zeros(len(dims), dtype=np.uint64)  # each job's first output byte
         self._cols[1:] = 4 * np.cumsum(dims[:-1], dtype=np.uint64)
         jobs = np.zeros(len(tables), dtype=_JOB)
@@ -121,23 +115,16 @@ class PackedJobs:
         self._table_ptr = jobs["table"].copy()
         self._rows = np.array([t.shape[0] for t in tables], dtype=np.int64)
         self._small = np.array([not t.is_raw and 0 < t.raw_nbytes <= COPY_MAX_BYTES for t in tables], dtype=bool)
-        self._copies = [None] * len(tables)  # copy_of(job k's table) once made; never replaced
-        self._table_ids = [id(t) for t in tables]  # jobs of one table share its copy
+        self._copies = [None] * len(tables)  # copy_of(job k's table), once taken; never replaced
         self._copy_ptr = np.zeros(len(tables), dtype=np.uint64)
         self._copy_lock = threading.Lock()
 
-    @property
-    def copy_nbytes(self) -> int:
-        """Bytes of the small tables' decoded copies made so far."""
-        return sum(c.nbytes for c in {id(c): c for c in self._copies if c is not None}.values())
-
     def _make_copies(self, jobs, table_of) -> None:
-        with self._copy_lock:  # a copy's pointer is published once its table is kept
+        with self._copy_lock:  # a copy's pointer is published once the copy is kept
             for k in jobs:
                 if self._copies[k] is None and self._small[k]:
-                    same = [c for c, i in zip(self._copies, self._table_ids) if c is not None and i == self._table_ids[k]]
                     try:
-                        copy = same[0] if same else self._copy_of_table(table_of(k))
+                        copy = self._copy_of_table(table_of(k))
                     except (FormatError, MemoryError):  # a corrupt row: only the calls that name it fail
                         self._small[k] = False
                         continue
@@ -145,12 +132,12 @@ class PackedJobs:
                     self._copy_ptr[k] = int(ffi.cast("uintptr_t", copy._c))
 
     def __call__(self, values: np.ndarray, offsets: np.ndarray, weights, n_bags: int,
-                 what: Callable[[int], str], table_of: Callable[[int], CompressedTable] = None) -> torch.Tensor:
+                 what: Callable[[int], str], table_of: Callable[[int], CompressedTable]) -> torch.Tensor:
         """[n_bags, width] float32. values int64, offsets int64 [n_keys * n_bags + 1]
         from 0 to len(values) without decreasing, weights float32 like values or None,
         all contiguous and checked by the caller (libibp checks every id it reads and
         each job's offsets). An out-of-range id raises IndexError naming what(job).
-        table_of(job): the job's table (given where the jobs do not hold them)."""
+        table_of(job): the job's table."""
         out = torch.empty((n_bags, self.width), dtype=torch.float32)
         n = self._rows.size
         if n == 0 or n_bags == 0:
@@ -171,11 +158,11 @@ class PackedJobs:
         copy = self._small & (n_ids > 0) & (n_ids < COPY_IDS_PER_ROW * max(1, lib.ibp_get_num_threads()) * self._rows)
         if copy.any():
             if not self._copy_ptr[copy].all():
-                self._make_copies(np.flatnonzero(copy), table_of or self._held.__getitem__)
+                self._make_copies(np.flatnonzero(copy), table_of)
                 copy &= self._copy_ptr != 0
             jobs["table"] = np.where(copy, self._copy_ptr, self._table_ptr)
         jobs["indices"] = np.uint64(values.ctypes.data) + np.uint64(8) * first
-        jobs["offsets"] = np.uint64(rel.ctypes.data) + np.uint64(8 * (n_bags + 1)) * self.key_index.astype(np.uint64)
+        jobs["offsets"] = np.uint64(rel.ctypes.data) + np.uint64(8 * (n_bags + 1)) * self._key_u64
         jobs["n_bags"] = n_bags
         if weights is not None:
             jobs["weights"] = np.uint64(weights.ctypes.data) + np.uint64(4) * first
@@ -186,8 +173,8 @@ class PackedJobs:
             k = int(failed[0])
             key, n_rows = int(self.key_index[k]), int(self._rows[k])
             ids = values[int(starts[key]):int(starts[key] + rel[key, n_bags])]
-            bad = ids[(ids < 0) | (ids >= n_rows)]
-            if rc == lib.IBP_E_INDEX and bad.size:
-                raise IndexError(f"{what(k)}: id {int(bad[0])} out of range for a table of {n_rows} rows")
+            error = _id_out_of_range(ids, n_rows, what(k)) if rc == lib.IBP_E_INDEX else None
+            if error is not None:
+                raise error
             _check_lookup_rc(rc, what(k), ids, rel[key], n_rows)
         return out

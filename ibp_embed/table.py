@@ -293,15 +293,18 @@ class CompressedTable(TableReads):
 
     @classmethod
     def raw(cls, rows: np.ndarray, dtype: torch.dtype, dim: int, word_bits: int = 64) -> "CompressedTable":
-        """A raw table of `rows` ([N, R] uint8, copied): nbytes == N * R."""
+        """A raw table of `rows` ([N, R] uint8, copied to memory that starts on a cache
+        line, where lookups pool them from): nbytes == N * R."""
         n_rows, row_bytes = rows.shape
         n_words = -(-row_bytes // (word_bits // 8))
         rel_dtype = np.uint16 if lib.ibp_rel_bytes(row_bytes) == 2 else np.uint32
+        buf = np.empty(n_rows * row_bytes + 64, dtype=np.uint8)
+        payload = buf[-buf.ctypes.data % 64:][:n_rows * row_bytes]
+        payload.reshape(n_rows, row_bytes)[:] = rows
         return cls(shape=(n_rows, dim), dtype=dtype, word_bits=word_bits,
                    masks=np.zeros((0, n_words), np.uint64), bitvals=np.zeros((0, n_words), np.uint64),
                    block_base=np.zeros(0, np.uint64), rel=np.zeros(0, rel_dtype),
-                   payload=np.array(rows, dtype=np.uint8, order="C").reshape(-1),
-                   payload_bytes=n_rows * row_bytes)
+                   payload=payload, payload_bytes=n_rows * row_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -408,6 +411,14 @@ def _as_float_array(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy()).reshape(-1)
     return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).reshape(-1)
+
+
+def _id_out_of_range(ids: np.ndarray, n_rows: int, what: str) -> IndexError | None:
+    """The error naming `what` and the first of ids outside [0, n_rows), or None."""
+    bad = ids[(ids < 0) | (ids >= n_rows)]
+    if not bad.size:
+        return None
+    return IndexError(f"{what}: id {int(bad[0])} out of range for a table of {n_rows} rows")
 
 
 def _check_range(idx: np.ndarray, n_rows: int, what: str = "") -> None:

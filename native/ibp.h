@@ -28,6 +28,9 @@ extern "C" {
 
 #define IBP_POOL_SUM 0
 #define IBP_POOL_MEAN 1
+/* A pooled lookup naming this many ids a row of a table, a thread, decodes the table
+ * whole into each thread's cache (where it fits) instead of its distinct rows. */
+#define IBP_FILL_IDS_PER_ROW 10
 
 #define IBP_DTYPE_F32 0
 #define IBP_DTYPE_F16 1

@@ -15,10 +15,31 @@ from hypothesis import strategies as st
 
 import ibp_embed
 from ibp_embed import packed_jobs
-from ibp_embed.packed_jobs import _JOB, PackedJobs
+from ibp_embed.packed_jobs import _JOB, PackedJobs, decoded_copy
 from ibp_embed._native import ffi, lib
 
 from helpers import assert_bits_equal, structured
+
+
+class Jobs:
+    """PackedJobs as the modules' JobCache drives them: the tables kept alive here,
+    one decoded copy a table."""
+
+    def __init__(self, tables, modes, key_index):
+        self.tables, self.copies = list(tables), {}
+        self.packed = PackedJobs(self.tables, modes, key_index, copy_of=self._copy)
+
+    def _copy(self, t):
+        if id(t) not in self.copies:
+            self.copies[id(t)] = decoded_copy(t)
+        return self.copies[id(t)]
+
+    def __call__(self, values, offsets, weights, n_bags, what):
+        return self.packed(values, offsets, weights, n_bags, what, self.tables.__getitem__)
+
+    @property
+    def copy_nbytes(self):
+        return sum(c.nbytes for c in self.copies.values())
 
 
 def kjt_layout(rng, n_keys: int, n_bags: int, n_rows: int, max_bag: int = 5):
@@ -68,7 +89,7 @@ def test_packed_jobs_match_each_tables_lookup(seed, n_keys, n_jobs, n_bags, weig
     for ids_per_row in (0, 10**9):  # small tables' decoded copies never / always
         with pytest.MonkeyPatch.context() as m:
             m.setattr(packed_jobs, "COPY_IDS_PER_ROW", ids_per_row)
-            jobs = PackedJobs(tables, modes, key_index)
+            jobs = Jobs(tables, modes, key_index)
             got = jobs(values, offsets, weights, n_bags, lambda k: f"job {k}")
         assert got.shape == (n_bags, sum(t.shape[1] for t in tables))
         assert_bits_equal(got, want)
@@ -81,13 +102,14 @@ def test_small_tables_are_copied_once_where_calls_name_few_ids_a_row():
     big = ibp_embed.compress(structured(packed_jobs.COPY_MAX_BYTES // 32 + 1, 8, torch.float32), progress=False)
     raw = ibp_embed.CompressedTable.raw(np.zeros((50, 32), np.uint8), torch.float32, 8)
     assert not small.is_raw and not big.is_raw and raw.is_raw
-    jobs = PackedJobs([small, big, small, raw], ["sum"] * 4, [0, 1, 2, 3])
+    jobs = Jobs([small, big, small, raw], ["sum"] * 4, [0, 1, 2, 3])
     values, offsets = np.arange(12, dtype=np.int64) % 50, np.arange(13, dtype=np.int64)  # 4 keys, 3 bags of 1
     got = jobs(values, offsets, None, 3, str)
     assert jobs.copy_nbytes == small.raw_nbytes  # one copy for both of its jobs; none of big or raw
-    assert jobs._copies[0] is jobs._copies[2] and jobs._copies[1] is None and jobs._copies[3] is None
-    assert jobs._copies[0]._payload.ctypes.data % 64 == 0 and jobs._copies[0].is_raw
-    assert torch.equal(jobs._copies[0].decompress(), small.decompress())
+    copies = jobs.packed._copies
+    assert copies[0] is copies[2] and copies[1] is None and copies[3] is None
+    assert copies[0]._payload.ctypes.data % 64 == 0 and copies[0].is_raw  # raw tables start on a cache line
+    assert torch.equal(copies[0].decompress(), small.decompress())
     assert_bits_equal(got, expected([small, big, small, raw], ["sum"] * 4, range(4), values, offsets, None, 3))
     with pytest.raises(IndexError, match=r"^job 2: id 100 out of range for a table of 100 rows$"):
         jobs(np.where(np.arange(12) == 7, 100, values), offsets, None, 3, lambda k: f"job {k}")
@@ -97,7 +119,7 @@ def test_small_tables_are_copied_once_where_calls_name_few_ids_a_row():
             lib.ibp_set_num_threads(threads)
             for n_ids, copied in ((packed_jobs.COPY_IDS_PER_ROW * threads * 100, False),
                                   (packed_jobs.COPY_IDS_PER_ROW * threads * 100 - 1, True)):
-                jobs = PackedJobs([small], ["sum"], [0])
+                jobs = Jobs([small], ["sum"], [0])
                 ids, off = np.arange(n_ids, dtype=np.int64) % 100, np.array([0, 500, n_ids], np.int64)
                 assert_bits_equal(jobs(ids, off, None, 2, str), expected([small], ["sum"], [0], ids, off, None, 2))
                 assert (jobs.copy_nbytes > 0) == copied
@@ -116,7 +138,7 @@ def test_a_table_whose_copy_fails_is_looked_up_as_before():
     bad = ibp_embed.CompressedTable(shape=t.shape, dtype=t.dtype, word_bits=t.word_bits, masks=t._masks,
                                     bitvals=t._bitvals, block_base=t._block_base, rel=t._rel, payload=payload,
                                     payload_bytes=t._payload_bytes, validate=False)
-    jobs = PackedJobs([bad], ["sum"], [0])
+    jobs = Jobs([bad], ["sum"], [0])
     values, offsets = np.array([1, 2, 3], np.int64), np.array([0, 2, 3], np.int64)
     assert_bits_equal(jobs(values, offsets, None, 2, str), expected([t], ["sum"], [0], values, offsets, None, 2))
     assert jobs.copy_nbytes == 0
@@ -126,7 +148,7 @@ def test_a_table_whose_copy_fails_is_looked_up_as_before():
 
 def test_packed_jobs_refuse_bad_input():
     t = ibp_embed.compress(structured(10, 4, torch.float32), progress=False)
-    jobs = PackedJobs([t, t], ["sum", "sum"], [0, 1])
+    jobs = Jobs([t, t], ["sum", "sum"], [0, 1])
     values, offsets = np.array([1, 2, 10, 3], np.int64), np.array([0, 1, 2, 3, 4], np.int64)
     with pytest.raises(IndexError, match=r"^job 1: id 10 out of range for a table of 10 rows$"):
         jobs(values, offsets, None, 2, lambda k: f"job {k}")
@@ -135,13 +157,13 @@ def test_packed_jobs_refuse_bad_input():
     with pytest.raises(ValueError, match="do not hold"):  # key 1 of a batch with one key
         jobs(values[:2], offsets[:3], None, 2, lambda k: f"job {k}")
     with pytest.raises(TypeError, match="CompressedTable"):
-        PackedJobs([t.decompress()], ["sum"], [0])
+        Jobs([t.decompress()], ["sum"], [0])
     with pytest.raises(ValueError, match="as many"):
-        PackedJobs([t], ["sum", "sum"], [0])
+        Jobs([t], ["sum", "sum"], [0])
     with pytest.raises(ValueError, match="negative"):
-        PackedJobs([t], ["sum"], [-1])
-    assert PackedJobs([], [], [])(values, offsets, None, 2, str).shape == (2, 0)
-    assert PackedJobs([t], ["sum"], [0])(values[:0], offsets[:1], None, 0, str).shape == (0, 4)
+        Jobs([t], ["sum"], [-1])
+    assert Jobs([], [], [])(values, offsets, None, 2, str).shape == (2, 0)
+    assert Jobs([t], ["sum"], [0])(values[:0], offsets[:1], None, 0, str).shape == (0, 4)
 
 
 # ---------------------------------------------------------------- the modules' cache

@@ -15,7 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
 from ..packed_jobs import PackedJobs, decoded_copy
-from ..table import CompressedTable, _lookup_many_checked
+from ..table import CompressedTable, _id_out_of_range, _lookup_many_checked
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
 CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress", "allow_raw")
@@ -154,7 +154,7 @@ class JobCache:
     again whenever its tables or the input's keys change (identity of each table,
     the keys' order), so that a call neither builds slots nor fills jobs, and the
     decoded copies of its small tables (by table), made once. It holds the tables by
-    weak reference only: the jobs (built with hold=False) run only while each of the
+    weak reference only: the jobs (which hold none) run only while each of the
     module's tables is alive and the one they were built for, and a table the module
     drops takes the jobs and its copy with it when it is freed. Copies and pickles of
     the module start empty (the jobs hold the tables' native handles)."""
@@ -208,8 +208,7 @@ class JobCache:
                     any(id(s.table) not in position for s in slots):  # (tables replaced meanwhile: uncached)
                 return pooled_lookup(kjt, slots, weighted, who, key_index)
             names = [f"{who}: feature {s.feature!r} of table {s.table_name!r}" for s in slots]
-            packed = PackedJobs([s.table for s in slots], [s.mode for s in slots], key_index, hold=False,
-                                copy_of=self._copy)
+            packed = PackedJobs([s.table for s in slots], [s.mode for s in slots], key_index, copy_of=self._copy)
             me = weakref.ref(self)
             refs = tuple(weakref.ref(t, lambda _, me=me: me() is not None and me()._forget(None)) for t in tables)
             entry = self._entry = (refs, keys, [position[id(s.table)] for s in slots], names.__getitem__, packed)
@@ -254,10 +253,9 @@ def run_lookup_jobs(jobs, b: int, who: str) -> torch.Tensor:
         return torch.cat(outs, dim=1) if outs else torch.empty((b, 0), dtype=torch.float32)
     except IndexError:
         for s, ids, *_ in jobs:
-            bad = ids[(ids < 0) | (ids >= s.n_rows)]
-            if bad.size:
-                raise IndexError(f"{who}: feature {s.feature!r} of table {s.table_name!r}: id {int(bad[0])} out "
-                                 f"of range for a table of {s.n_rows} rows") from None
+            error = _id_out_of_range(ids, s.n_rows, f"{who}: feature {s.feature!r} of table {s.table_name!r}")
+            if error is not None:
+                raise error from None
         raise
 
 
