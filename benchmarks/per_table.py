@@ -25,7 +25,7 @@ import torch
 
 import ibp_embed
 from ibp_embed import datasets
-from ibp_embed.table import _lookup_many_checked
+from ibp_embed.batched import _lookup_many_checked
 
 from . import common
 from .lookup.systems import build_tbe

@@ -1,7 +1,8 @@
 """ibp_embed: a lossless Invariant Bit Packing store for embedding tables."""
 from .codec import compress
 from .errors import FormatError, NativeLibraryError
-from .table import CompressedTable, load, lookup_many
+from .batched import lookup_many
+from .table import CompressedTable, load
 
 
 def release_thread_buffers() -> int:

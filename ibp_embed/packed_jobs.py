@@ -1,7 +1,8 @@
 """PackedJobs: libibp's lookup jobs for a fixed list of tables, written once.
 
-A module's lookups (IBPEmbeddingBagCollection, the DMP kernel) name the same tables,
-dims, modes and output columns call after call; only the batch's pointers change.
+A module's lookups (IBPEmbeddingBagCollection, the DMP kernel) and a program's calls
+of lookup_many name the same tables, dims, modes and output columns call after call;
+only the batch's pointers change.
 Built per call (Slot objects, each feature's id and offset slices, a cffi job
 filled field by field as _lookup_many_checked fills it), the jobs took about 170 of
 the 254 us a B1 forward into the 26 Criteo tables took, against 115-134 us for
@@ -14,8 +15,8 @@ them. The native lookup decodes a call's distinct rows of a table into a per-thr
 cache, or, from IBP_FILL_IDS_PER_ROW (10) ids a row a thread, the whole table, call
 after call: at inference batch sizes a table of a thousand rows then decodes most of
 its rows for each few dozen bags. A table of up to COPY_MAX_BYTES raw keeps its rows
-decoded (bit-exact, a raw table, made by the first call that needs it: memory_stats'
-lookup_copy_bytes), and calls naming fewer than COPY_IDS_PER_ROW ids a row of it a
+decoded (bit-exact, a raw table, made by the first call that needs it and kept by the
+table: CompressedTable.lookup_copy_nbytes, memory_stats' lookup_copy_bytes), and calls naming fewer than COPY_IDS_PER_ROW ids a row of it a
 libibp thread pool from the copy as FBGEMM pools from its table. A table whose copy cannot be made (a
 corrupt row, in a table loaded without verification) is looked up as before, where
 only the calls that name the row fail.
@@ -36,10 +37,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from . import _native
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES
-from .errors import FormatError
 from .table import _MODES, CompressedTable, _check_lookup_rc, _id_out_of_range
 
 # Small tables' decoded copies (see the module's doc)
@@ -67,31 +66,21 @@ def _job_dtype() -> np.dtype:
 _JOB = _job_dtype()
 
 
-def decoded_copy(t: CompressedTable) -> CompressedTable:
-    """t's rows decoded (bit-exact), as a raw table."""
-    rows = np.empty((t.shape[0], t._row_bytes), dtype=np.uint8)
-    if t.shape[0]:
-        _native.check(t._native_decode(ffi.NULL, 0, _native.ptr(rows, "uint8_t *")), "decoded copy")
-    return CompressedTable.raw(rows, t.dtype, t.shape[1], t.word_bits)
-
-
 class PackedJobs:
-    """Lookups of tables[i] (CompressedTables, modes[i] "sum" or "mean") pooling key
-    key_index[i] of a batch laid out as a KeyedJaggedTensor's: values, and offsets
-    [n_keys * B + 1] key after key. Job i fills columns [D_0 + .. + D_{i-1}, + D_i) of
-    one [B, sum of dims] float32 output. The jobs hold the tables' native handles,
-    not the tables: the caller keeps them alive for every call (JobCache), passes
-    table_of(job) to each call and copy_of(table), a small table's decoded copy (made
-    once and kept by the caller, see the module's doc), here. Calls from several
-    threads each write their own copy of the jobs; copies are taken under a lock."""
+    """Lookups of tables[i] (CompressedTables, modes[i] "sum" or "mean"), job i filling
+    columns [D_0 + .. + D_{i-1}, + D_i) of one [B, sum of dims] float32 output. A
+    call passes either a batch laid out as a KeyedJaggedTensor's, job i pooling key
+    key_index[i] (__call__), or each job's own arrays (run_arrays). The jobs hold the
+    tables' native handles, not the tables: the caller keeps them alive for every call
+    (JobCache, batched.lookup_many's cache) and passes table_of(job), whose decoded
+    copy (a small table's, see the module's doc) the jobs keep once taken. Calls from
+    several threads each write their own copy of the jobs; copies are taken under a
+    lock."""
 
-    def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int],
-                 copy_of: Callable[[CompressedTable], CompressedTable]):
+    def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int] = ()):
         tables = tuple(tables)
-        self._copy_of_table = copy_of
-        if not len(tables) == len(modes) == len(key_index):
-            raise ValueError(f"{len(tables)} tables need as many modes and key indices, got "
-                             f"{len(modes)} and {len(key_index)}")
+        if len(tables) != len(modes):
+            raise ValueError(f"{len(tables)} tables need as many modes, got {len(modes)}")
         for k, t in enumerate(tables):
             if not isinstance(t, CompressedTable):
                 raise TypeError(f"job {k}: a CompressedTable, not {type(t).__name__}")
@@ -115,29 +104,53 @@ class PackedJobs:
         self._table_ptr = jobs["table"].copy()
         self._rows = np.array([t.shape[0] for t in tables], dtype=np.int64)
         self._small = np.array([not t.is_raw and 0 < t.raw_nbytes <= COPY_MAX_BYTES for t in tables], dtype=bool)
-        self._copies = [None] * len(tables)  # copy_of(job k's table), once taken; never replaced
+        self._copies = [None] * len(tables)  # job k's table's decoded copy, once taken; never replaced
         self._copy_ptr = np.zeros(len(tables), dtype=np.uint64)
         self._copy_lock = threading.Lock()
+        self._limit, self._limit_threads = None, None  # see _run
 
     def _make_copies(self, jobs, table_of) -> None:
         with self._copy_lock:  # a copy's pointer is published once the copy is kept
             for k in jobs:
                 if self._copies[k] is None and self._small[k]:
                     try:
-                        copy = self._copy_of_table(table_of(k))
-                    except (FormatError, MemoryError):  # a corrupt row: only the calls that name it fail
+                        copy = table_of(k)._lookup_copy()
+                    except MemoryError:
+                        copy = None
+                    if copy is None:  # a corrupt row: only the calls that name it fail
                         self._small[k] = False
+                        self._limit_threads = None
                         continue
                     self._copies[k] = copy
                     self._copy_ptr[k] = int(ffi.cast("uintptr_t", copy._c))
 
+    def _run(self, jobs: np.ndarray, n_ids: np.ndarray, n_bags: int, out: torch.Tensor, table_of) -> tuple:
+        """Completes jobs (the template's copy with the batch's arrays) with the tables to
+        pool from and the output, and runs them: (libibp's return code, the failed job)."""
+        threads = lib.ibp_get_num_threads()
+        if threads != self._limit_threads:  # per job, the ids under which it pools from its copy (0: never)
+            self._limit = np.where(self._small, COPY_IDS_PER_ROW * max(1, threads) * self._rows, 0)
+            self._limit_threads = threads
+        copy = (n_ids > 0) & (n_ids < self._limit)
+        if copy.any():
+            if not self._copy_ptr[copy].all():
+                self._make_copies(np.flatnonzero(copy), table_of)
+                copy &= self._copy_ptr != 0
+            jobs["table"] = np.where(copy, self._copy_ptr, self._table_ptr)
+        jobs["n_indices"] = n_ids
+        jobs["n_bags"] = n_bags
+        jobs["out"] = np.uint64(out.data_ptr()) + self._cols
+        failed = ffi.new("uint64_t *")
+        rc = lib.ibp_lookup_many(ffi.cast("const ibp_lookup_job *", jobs.ctypes.data), jobs.size, failed)
+        return rc, int(failed[0])
+
     def __call__(self, values: np.ndarray, offsets: np.ndarray, weights, n_bags: int,
                  what: Callable[[int], str], table_of: Callable[[int], CompressedTable]) -> torch.Tensor:
-        """[n_bags, width] float32. values int64, offsets int64 [n_keys * n_bags + 1]
-        from 0 to len(values) without decreasing, weights float32 like values or None,
-        all contiguous and checked by the caller (libibp checks every id it reads and
-        each job's offsets). An out-of-range id raises IndexError naming what(job).
-        table_of(job): the job's table."""
+        """[n_bags, width] float32 of a batch laid out as a KeyedJaggedTensor's: values
+        int64, offsets int64 [n_keys * n_bags + 1] from 0 to len(values) without
+        decreasing, weights float32 like values or None, all contiguous and checked by
+        the caller (libibp checks every id it reads and each job's offsets). An
+        out-of-range id raises IndexError naming what(job)."""
         out = torch.empty((n_bags, self.width), dtype=torch.float32)
         n = self._rows.size
         if n == 0 or n_bags == 0:
@@ -154,23 +167,12 @@ class PackedJobs:
         rel -= starts[:, None]
         first = starts[self.key_index].astype(np.uint64)
         jobs = self._template.copy()
-        n_ids = rel[self.key_index, n_bags]
-        copy = self._small & (n_ids > 0) & (n_ids < COPY_IDS_PER_ROW * max(1, lib.ibp_get_num_threads()) * self._rows)
-        if copy.any():
-            if not self._copy_ptr[copy].all():
-                self._make_copies(np.flatnonzero(copy), table_of)
-                copy &= self._copy_ptr != 0
-            jobs["table"] = np.where(copy, self._copy_ptr, self._table_ptr)
         jobs["indices"] = np.uint64(values.ctypes.data) + np.uint64(8) * first
         jobs["offsets"] = np.uint64(rel.ctypes.data) + np.uint64(8 * (n_bags + 1)) * self._key_u64
-        jobs["n_bags"] = n_bags
         if weights is not None:
             jobs["weights"] = np.uint64(weights.ctypes.data) + np.uint64(4) * first
-        jobs["out"] = np.uint64(out.data_ptr()) + self._cols
-        failed = ffi.new("uint64_t *")
-        rc = lib.ibp_lookup_many(ffi.cast("const ibp_lookup_job *", jobs.ctypes.data), n, failed)
+        rc, k = self._run(jobs, rel[self.key_index, n_bags], n_bags, out, table_of)
         if rc != lib.IBP_OK:
-            k = int(failed[0])
             key, n_rows = int(self.key_index[k]), int(self._rows[k])
             ids = values[int(starts[key]):int(starts[key] + rel[key, n_bags])]
             error = _id_out_of_range(ids, n_rows, what(k)) if rc == lib.IBP_E_INDEX else None
@@ -178,3 +180,17 @@ class PackedJobs:
                 raise error
             _check_lookup_rc(rc, what(k), ids, rel[key], n_rows)
         return out
+
+    def run_arrays(self, arrays: np.ndarray, n_bags: int, table_of: Callable[[int], CompressedTable]):
+        """[n_bags, width] float32 from each job's own arrays: arrays[:, k] holds job k's
+        ids' address, their count, its bag offsets' address ([n_bags + 1] int64) and
+        its float32 weights' address (0: none). libibp checks every id it reads and
+        that the offsets run from 0 to the count without decreasing; where it refuses
+        a job: (the output or None, libibp's return code, the failed job)."""
+        out = torch.empty((n_bags, self.width), dtype=torch.float32)
+        if self._rows.size == 0:
+            return out, lib.IBP_OK, 0
+        jobs = self._template.copy()  # (B = 0 too: libibp checks that no ids come without bags)
+        jobs["indices"], jobs["offsets"], jobs["weights"] = arrays[0], arrays[2], arrays[3]
+        rc, k = self._run(jobs, arrays[1].astype(np.int64), n_bags, out, table_of)
+        return (out if rc == lib.IBP_OK else None), rc, k

@@ -1,6 +1,8 @@
 """CompressedTable: an IBP-compressed embedding table held in host memory (or a mmap)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -10,6 +12,7 @@ from .dtypes import LOOKUP_DTYPES, dtype_from_name, dtype_name, rows_to_tensor
 from .errors import FormatError
 
 _MODES = {"sum": 0, "mean": 1}
+_COPY_LOCK = threading.Lock()  # decoded copies are made once (CompressedTable._lookup_copy)
 
 
 class TableReads:
@@ -116,85 +119,6 @@ class TableReads:
         return out
 
 
-def lookup_many(tables, indices, offsets, per_sample_weights=None, mode="sum") -> torch.Tensor:
-    """Pooled lookups of several tables over one batch, as FBGEMM's TBE forward does them.
-
-    Table t pools its bags from indices[t] and offsets[t] exactly as
-    ``tables[t].lookup(indices[t], offsets[t], ...)`` would, every table with the same
-    number of bags B; its sums fill columns [D_0 + .. + D_{t-1}, + D_t) of one
-    [B, sum of dims] float32 tensor. per_sample_weights: None, or one entry per table
-    (None or that table's weights); mode: "sum" / "mean" for all, or one per table.
-    CompressedTables run in one native call that spreads all their bags over the
-    threads (faster than one lookup per table); bad arguments raise what lookup()
-    raises, naming the table.
-    """
-    tables = list(tables)
-    n = len(tables)
-    modes = [mode] * n if isinstance(mode, str) else list(mode)
-    weights = [None] * n if per_sample_weights is None else list(per_sample_weights)
-    indices, offsets = list(indices), list(offsets)
-    if not len(indices) == len(offsets) == len(weights) == len(modes) == n:
-        raise ValueError(f"{n} tables need {n} indices, offsets, per_sample_weights and modes; got "
-                         f"{len(indices)}, {len(offsets)}, {len(weights)}, {len(modes)}")
-    jobs = []
-    for k, t in enumerate(tables):
-        if not isinstance(t, TableReads):
-            raise TypeError(f"table {k}: a CompressedTable or UpdatableTable, not {type(t).__name__}")
-        try:
-            jobs.append((t, *t._lookup_args(indices[k], offsets[k], weights[k], modes[k]), modes[k]))
-        except (TypeError, ValueError, IndexError) as e:
-            raise type(e)(f"table {k}: {e}") from None
-    bags = {off.size - 1 for _, _, off, _, _ in jobs}
-    if len(bags) > 1:
-        raise ValueError(f"every table needs the same number of bags, got {sorted(bags)}")
-    b = bags.pop() if bags else 0
-    if all(isinstance(t, CompressedTable) for t, *_ in jobs):
-        return _lookup_many_checked(jobs, b, lambda k: f"table {k}")
-    outs = [t._lookup_checked(idx, off, w, m, f"table {k}") for k, (t, idx, off, w, m) in enumerate(jobs)]
-    return torch.cat(outs, dim=1) if outs else torch.empty((b, 0), dtype=torch.float32)
-
-
-def _lookup_many_checked(jobs, n_bags: int, what=None) -> torch.Tensor:
-    """Pooled lookups of several CompressedTables over one batch, in one native call:
-    [n_bags, sum of dims] float32, job after job along the columns (as FBGEMM's TBE
-    fills its output). jobs: [(table, ids, bag offsets [n_bags + 1], weights or None,
-    mode)], with the arguments _lookup_checked takes (already validated). libibp
-    spreads the jobs' bags over its threads in one parallel region and writes each
-    job's columns in place (no per-table outputs to concatenate). what(k) names job
-    k in errors."""
-    dims = [t.shape[1] for t, *_ in jobs]
-    out = torch.empty((n_bags, sum(dims)), dtype=torch.float32)
-    if not jobs or n_bags == 0:
-        return out
-    c_jobs = ffi.new("ibp_lookup_job[]", len(jobs))
-    base, col = out.data_ptr(), 0
-    for k, (t, idx, off, w, mode) in enumerate(jobs):
-        # O(1) checks that keep libibp inside the arrays (it checks the offsets' order)
-        if t.dtype not in LOOKUP_DTYPES:
-            raise TypeError(f"job {k}: pooled lookups need a float32, float16 or bfloat16 table, not {t.dtype}")
-        if idx.dtype != np.int64 or off.dtype != np.int64 or (w is not None and w.dtype != np.float32):
-            raise TypeError(f"job {k}: ids and offsets must be int64 arrays and weights float32")
-        if off.size != n_bags + 1:
-            raise ValueError(f"job {k}: {off.size - 1} bags, the batch has {n_bags}")
-        if off[-1] != idx.size or (w is not None and w.size != idx.size):
-            raise ValueError(f"job {k}: offsets end at {int(off[-1])} for {idx.size} ids"
-                             + ("" if w is None else f" and {w.size} weights"))
-        j = c_jobs[k]
-        j.table, j.dtype, j.dim = t._c, LOOKUP_DTYPES[t.dtype], dims[k]
-        j.indices = _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL
-        j.offsets = _native.ptr(off, "const int64_t *")
-        j.n_bags, j.mode = n_bags, _MODES[mode]
-        j.weights = ffi.NULL if w is None else _native.ptr(w, "const float *")
-        j.out, j.out_stride = ffi.cast("float *", base + 4 * col), out.shape[1]
-        col += dims[k]
-    failed = ffi.new("uint64_t *")
-    rc = lib.ibp_lookup_many(c_jobs, len(jobs), failed)
-    if rc != lib.IBP_OK:
-        k = int(failed[0])
-        _check_lookup_rc(rc, what(k) if what else f"lookup job {k}", jobs[k][1], jobs[k][2], jobs[k][0].shape[0])
-    return out
-
-
 def _check_lookup_rc(rc: int, what: str, idx: np.ndarray, off: np.ndarray, n_rows: int) -> None:
     """Raise for a native lookup's return code, naming the first bad id or the offsets
     (found here, on the error path only: libibp says which check failed, not where)."""
@@ -273,6 +197,29 @@ class CompressedTable(TableReads):
 
     def _native_lookup(self, dtype: int, idx, off, n_bags: int, weights, mode: int, out) -> int:
         return lib.ibp_lookup(self._c, dtype, self._shape[1], idx, off, n_bags, weights, mode, out)
+
+    def _lookup_copy(self) -> "CompressedTable | None":
+        """The rows decoded (bit-exact) as a raw table, made on first use and kept while
+        the table lives, for lookups that pool small tables from it (packed_jobs); None
+        where a row cannot be decoded (a table loaded without verification), which
+        only the lookups that name that row report."""
+        copy = self.__dict__.get("_copy")
+        if copy is None:
+            with _COPY_LOCK:
+                copy = self.__dict__.get("_copy")
+                if copy is None:
+                    rows = np.empty((self._shape[0], self._row_bytes), dtype=np.uint8)
+                    rc = self._native_decode(ffi.NULL, 0, _native.ptr(rows, "uint8_t *")) if rows.size else 0
+                    copy = self._copy = False if rc != lib.IBP_OK else \
+                        CompressedTable.raw(rows, self._dtype, self._shape[1], self._word_bits)
+        return copy or None
+
+    @property
+    def lookup_copy_nbytes(self) -> int:
+        """Bytes of the decoded copy small tables keep for lookups of few ids a row
+        (0 until one such lookup made it; see ibp_embed.packed_jobs)."""
+        copy = self.__dict__.get("_copy")
+        return copy.nbytes if copy else 0
 
     # ---- description ----
     @property

@@ -442,12 +442,12 @@ static int check_lookup_job(const ibp_lookup_job *j)
     uint32_t esize = j->dtype == IBP_DTYPE_F32 ? 4 : 2;
     if ((uint64_t)j->dim * esize != j->table->cb.row_bytes || j->out_stride < j->dim)
         return IBP_E_ARG;
-    if (j->offsets[0] != 0)
+    if (j->offsets[0] != 0 || (uint64_t)j->offsets[j->n_bags] != j->n_indices)
         return IBP_E_ARG;
     for (uint64_t b = 0; b < j->n_bags; b++)
         if (j->offsets[b + 1] < j->offsets[b])
             return IBP_E_ARG;
-    if (j->offsets[j->n_bags] > 0 && !j->indices)
+    if (j->n_indices && !j->indices)
         return IBP_E_ARG;
     return IBP_OK;
 }
@@ -486,6 +486,8 @@ int ibp_lookup(const ibp_table *t, int dtype, uint32_t dim, const int64_t *indic
                const int64_t *offsets, uint64_t n_bags, const float *weights, int mode,
                float *out)
 {
-    const ibp_lookup_job job = {t, dtype, dim, indices, offsets, n_bags, weights, mode, out, dim};
+    /* the offsets are trusted to end within indices, as this function always did */
+    const uint64_t n_indices = offsets && offsets[n_bags] > 0 ? (uint64_t)offsets[n_bags] : 0;
+    const ibp_lookup_job job = {t, dtype, dim, indices, n_indices, offsets, n_bags, weights, mode, out, dim};
     return ibp_lookup_many(&job, 1, NULL);
 }

@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 2
-#define IBP_ABI_VERSION 6
+#define IBP_ABI_VERSION 7
 
 /* Return codes. */
 #define IBP_OK 0
@@ -141,12 +141,15 @@ int ibp_lookup(const ibp_table *t, int dtype, uint32_t dim,
 
 /* One pooled lookup of a batch, as ibp_lookup, that writes bag b's pooled row at
  * out + b * out_stride (out_stride >= dim floats): the jobs of one call can fill
- * the columns of one [n_bags][sum of dims] output, as FBGEMM's TBE does. */
+ * the columns of one [n_bags][sum of dims] output, as FBGEMM's TBE does.
+ * n_indices is the length of indices (and of weights, when given): the offsets
+ * must run from 0 to it without decreasing, so that a job never reads past them. */
 typedef struct ibp_lookup_job {
     const ibp_table *table;
     int dtype;
     uint32_t dim;
     const int64_t *indices;
+    uint64_t n_indices;
     const int64_t *offsets;
     uint64_t n_bags;
     const float *weights;

@@ -336,7 +336,7 @@ def test_lookup_many_fills_each_jobs_columns_as_lookup_does():
     columns of one [B, sum of dims] output: every column block must equal that
     table's own lookup bit for bit (dtypes, dims, weights, MEAN, empty bags, tables
     small and large enough to deduplicate), and errors name the failing job."""
-    from ibp_embed.table import _lookup_many_checked as lookup_many
+    from ibp_embed.batched import _lookup_many_checked as lookup_many
 
     from ibp_embed.datasets import zipf_ids
 
@@ -385,7 +385,7 @@ def test_lookup_many_streams_large_outputs_exactly(threads):
     give the same bits as the same bags looked up a few at a time (an output that
     fits any cache: plain stores), and unweighted sums embedding_bag's bits."""
     from ibp_embed.datasets import zipf_ids
-    from ibp_embed.table import _lookup_many_checked as lookup_many
+    from ibp_embed.batched import _lookup_many_checked as lookup_many
 
     g = torch.Generator().manual_seed(35)
     b = 2100
@@ -422,7 +422,7 @@ def test_lookup_many_gives_each_thread_whole_tables_when_they_balance(threads):
     once per thread); alone, a table's bags are split among the threads. Both must
     give the one-table lookups' sums bit for bit, whatever rows the tasks share."""
     from ibp_embed.datasets import zipf_ids
-    from ibp_embed.table import _lookup_many_checked as lookup_many
+    from ibp_embed.batched import _lookup_many_checked as lookup_many
 
     g = torch.Generator().manual_seed(33)
     b, pooling = 205, 20  # 4100 ids a table: enough to deduplicate on 2 threads
@@ -481,7 +481,7 @@ def test_decode_plans_kept_per_table_stay_right_across_many_tables():
     turn): lookups into more tables than that, again and again, and into new tables
     made where dropped ones were (their codebooks may reuse the same addresses), must
     each decode their own rows. Bags of one id: each output row is its row, exactly."""
-    from ibp_embed.table import _lookup_many_checked as lookup_many
+    from ibp_embed.batched import _lookup_many_checked as lookup_many
 
     from helpers import every_isa
 

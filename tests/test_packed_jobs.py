@@ -15,31 +15,26 @@ from hypothesis import strategies as st
 
 import ibp_embed
 from ibp_embed import packed_jobs
-from ibp_embed.packed_jobs import _JOB, PackedJobs, decoded_copy
+from ibp_embed.packed_jobs import _JOB, PackedJobs
 from ibp_embed._native import ffi, lib
 
 from helpers import assert_bits_equal, structured
 
 
 class Jobs:
-    """PackedJobs as the modules' JobCache drives them: the tables kept alive here,
-    one decoded copy a table."""
+    """PackedJobs as the modules' JobCache drives them: the tables kept alive here.
+    copy_nbytes: the decoded copies these jobs took (the tables keep theirs)."""
 
     def __init__(self, tables, modes, key_index):
-        self.tables, self.copies = list(tables), {}
-        self.packed = PackedJobs(self.tables, modes, key_index, copy_of=self._copy)
-
-    def _copy(self, t):
-        if id(t) not in self.copies:
-            self.copies[id(t)] = decoded_copy(t)
-        return self.copies[id(t)]
+        self.tables = list(tables)
+        self.packed = PackedJobs(self.tables, modes, key_index)
 
     def __call__(self, values, offsets, weights, n_bags, what):
         return self.packed(values, offsets, weights, n_bags, what, self.tables.__getitem__)
 
     @property
     def copy_nbytes(self):
-        return sum(c.nbytes for c in self.copies.values())
+        return sum(c.nbytes for c in {id(c): c for c in self.packed._copies if c is not None}.values())
 
 
 def kjt_layout(rng, n_keys: int, n_bags: int, n_rows: int, max_bag: int = 5):
@@ -259,11 +254,12 @@ def test_module_cache_never_runs_jobs_of_freed_tables():
 
 def test_module_copies_outlive_a_change_of_keys():
     ebc = collection([30, 40])
+    tables = [b.table for b in ebc.embedding_bags.values()]
     with torch.no_grad():
         ebc(kjt(["f0", "f1"], 2, 30, seed=1))
-        copies = dict(ebc._job_cache._copies)
+        copies = [t._lookup_copy() for t in tables]
         ebc(kjt(["f1", "f0"], 2, 30, seed=1))  # new jobs, the same copies
-    assert {k: c for k, (_, c) in ebc._job_cache._copies.items()} == {k: c for k, (_, c) in copies.items()}
+    assert all(c is not None and t._lookup_copy() is c for t, c in zip(tables, copies))
     assert ebc.memory_stats()["lookup_copy_bytes"] == ebc.raw_nbytes
 
 

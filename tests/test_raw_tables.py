@@ -16,7 +16,7 @@ import ibp_embed
 from ibp_embed import CompressedTable, FormatError, io, ops
 from ibp_embed import reference as ref
 from ibp_embed.store import UpdatableTable
-from ibp_embed.table import _lookup_many_checked
+from ibp_embed.batched import _lookup_many_checked
 
 from helpers import (ALL_DTYPES, LOOKUP_DTYPES, WORD_BITS, assert_bits_equal, assert_decodes, every_isa, random_bits,
                      structured, table_sections, to_bytes, write_ibp)

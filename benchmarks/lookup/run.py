@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ibp_embed
-from ibp_embed.table import _lookup_many_checked
+from ibp_embed.batched import _lookup_many_checked
 
 from .. import common
 from .codec_sizes import (

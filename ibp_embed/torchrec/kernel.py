@@ -125,8 +125,8 @@ class IBPBatchedEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
 
     @property
     def lookup_copy_nbytes(self) -> int:
-        """Bytes of the decoded copies of small shards its inference lookups made."""
-        return self._job_cache.copy_nbytes
+        """Bytes of the decoded copies of its small shards that lookups made."""
+        return sum(t.lookup_copy_nbytes for t in self._tables if isinstance(t, CompressedTable))
 
     def _table(self, i: int):
         table = self._tables[i]

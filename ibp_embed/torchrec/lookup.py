@@ -14,8 +14,9 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
-from ..packed_jobs import PackedJobs, decoded_copy
-from ..table import CompressedTable, _id_out_of_range, _lookup_many_checked
+from ..packed_jobs import PackedJobs
+from ..batched import _lookup_many_checked
+from ..table import CompressedTable, _id_out_of_range
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
 CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress", "allow_raw")
@@ -152,18 +153,17 @@ def pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence[Slot], weighted: bool,
 class JobCache:
     """An inference module's lookup jobs (PackedJobs), built on its first call and
     again whenever its tables or the input's keys change (identity of each table,
-    the keys' order), so that a call neither builds slots nor fills jobs, and the
-    decoded copies of its small tables (by table), made once. It holds the tables by
-    weak reference only: the jobs (which hold none) run only while each of the
-    module's tables is alive and the one they were built for, and a table the module
-    drops takes the jobs and its copy with it when it is freed. Copies and pickles of
+    the keys' order), so that a call neither builds slots nor fills jobs. It holds
+    the tables by weak reference only: the jobs (which hold none) run only while each
+    of the module's tables is alive and the one they were built for, and a table the
+    module drops takes the jobs with it when it is freed. The small tables' decoded
+    copies are the tables' own (CompressedTable._lookup_copy). Copies and pickles of
     the module start empty (the jobs hold the tables' native handles)."""
 
     def __init__(self):
         # (weak refs to the tables, keys, per job its table's position in them, what(job), PackedJobs),
         # replaced whole: calls may race
         self._entry = None
-        self._copies = {}  # id(table) -> (weak ref to it, its decoded copy)
 
     def __deepcopy__(self, memo):
         return JobCache()
@@ -174,24 +174,8 @@ class JobCache:
     def __setstate__(self, state):
         self.__init__()
 
-    @property
-    def copy_nbytes(self) -> int:
-        """Bytes of the decoded copies of the module's small tables (PackedJobs)."""
-        return sum(c.nbytes for _, c in list(self._copies.values()))
-
-    def _forget(self, key) -> None:  # a table died: its jobs and copy go too
+    def _forget(self) -> None:  # a table died: its jobs go too
         self._entry = None
-        self._copies.pop(key, None)
-
-    def _copy(self, table: CompressedTable) -> CompressedTable:
-        """table's decoded copy, made once while it lives (PackedJobs' copy_of)."""
-        got = self._copies.get(id(table))
-        if got is None or got[0]() is not table:
-            me = weakref.ref(self)
-            key = id(table)
-            ref = weakref.ref(table, lambda _, me=me, key=key: me() is not None and me()._forget(key))
-            got = self._copies[key] = (ref, decoded_copy(table))
-        return got[1]
 
     def lookup(self, kjt: KeyedJaggedTensor, tables: tuple, slots_for, weighted: bool, who: str) -> torch.Tensor:
         """pooled_lookup(kjt, slots, weighted, who, key_index) for the (slots, key_index)
@@ -208,9 +192,9 @@ class JobCache:
                     any(id(s.table) not in position for s in slots):  # (tables replaced meanwhile: uncached)
                 return pooled_lookup(kjt, slots, weighted, who, key_index)
             names = [f"{who}: feature {s.feature!r} of table {s.table_name!r}" for s in slots]
-            packed = PackedJobs([s.table for s in slots], [s.mode for s in slots], key_index, copy_of=self._copy)
+            packed = PackedJobs([s.table for s in slots], [s.mode for s in slots], key_index)
             me = weakref.ref(self)
-            refs = tuple(weakref.ref(t, lambda _, me=me: me() is not None and me()._forget(None)) for t in tables)
+            refs = tuple(weakref.ref(t, lambda _, me=me: me() is not None and me()._forget()) for t in tables)
             entry = self._entry = (refs, keys, [position[id(s.table)] for s in slots], names.__getitem__, packed)
         _, _, table_pos, what, packed = entry
         vals, off, w, b = _kjt_parts(kjt, len(keys), weighted, who)

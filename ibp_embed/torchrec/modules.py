@@ -319,7 +319,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             the same optimizer state, for comparison)."""
         stats = memory_stats(b.table for b in self.embedding_bags.values() if b.table is not None)
         opt = self.optimizer_state_nbytes
-        copies = self._job_cache.copy_nbytes
+        copies = sum(b.table.lookup_copy_nbytes for b in self.embedding_bags.values()
+                     if isinstance(b.table, CompressedTable))
         stats.update(raw_bytes=self.raw_nbytes, optimizer_state_bytes=opt, lookup_copy_bytes=copies,
                      total_bytes=stats["compressed_bytes"] + opt + copies, raw_total_bytes=self.raw_nbytes + opt)
         if self._device.type == "cuda":
