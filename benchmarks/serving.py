@@ -10,10 +10,15 @@ rows of each table. Here the 26 Criteo Kaggle tables (cardinalities x --scale, t
 quick set's 0.01 by default) are looked up by an IBPEmbeddingBagCollection and by
 TorchRec's FusedEmbeddingBagCollection (FBGEMM's TBE, HOST) with the same weights,
 forward only under no_grad, one KeyedJaggedTensor of B bags of P Zipf(1.05) ids a
-feature, 1 thread (--threads), calls interleaved (common.time_interleaved, --calls
-calls a round). Outputs are checked against the fused EBC's (float32: bit for bit;
-float16: to 1e-3). Results: a markdown table (median us a call and the ratio fused / IBP, above
-1 where the IBP collection is faster) and benchmarks/results/serving-<UTC time>.json.
+feature, 1 thread (--threads), each IBP call interleaved with its FBGEMM counterpart
+(common.time_interleaved, --calls calls a round; in pairs, so that each runs after
+the other, whose tables take the caches). One level down, the same batch through FBGEMM's TBE forward (the
+fused EBC's kernel, ids and offsets as the KJT holds them) and through
+ibp_embed.lookup_many, given the same two tensors (the TBE layout) and given one
+tensor of ids and one of offsets a table (lists). Outputs are checked against the
+fused EBC's and the TBE's (float32: bit for bit; float16: to 1e-3). Results: two
+markdown tables (median us a call and the ratio of FBGEMM's time to IBP's, above 1
+where IBP is faster) and benchmarks/results/serving-<UTC time>.json.
 """
 from __future__ import annotations
 
@@ -76,16 +81,25 @@ def main(argv=None) -> dict:
         for b in args.sizes:
             print(f"[serving] B{b} x P{args.pooling}", file=sys.stderr, flush=True)
             kjt = make_batch(rows, Workload(b, args.pooling, 1.05), args.pooling + b, [None] * len(rows)).kjt
-            want, got = fused(kjt).values(), ibp(kjt).values()
-            same = torch.equal(want, got) if dtype == torch.float32 else \
-                torch.allclose(want, got, rtol=1e-3, atol=1e-3)
-            if not same:
-                raise SystemExit(f"serving: the IBP collection's output differs from the fused EBC's (B{b})")
-            t = common.time_interleaved({"fused": lambda: [fused(kjt) for _ in range(args.calls)],
-                                         "ibp": lambda: [ibp(kjt) for _ in range(args.calls)]},
-                                        repeats=args.repeats)
-            us = {k: t[k]["median_s"] / args.calls * 1e6 for k in ("fused", "ibp")}
-            runs.append({"batch": b, "fused_us": us["fused"], "ibp_us": us["ibp"], "speed": us["fused"] / us["ibp"]})
+            ids, offsets = kjt.values(), kjt.offsets()
+            ids_of = [ids[offsets[k * b]:offsets[(k + 1) * b]] for k in range(len(rows))]
+            offsets_of = [offsets[k * b:(k + 1) * b + 1] - offsets[k * b] for k in range(len(rows))]
+            calls = {"fused": lambda: fused(kjt).values(), "ibp": lambda: ibp(kjt).values(),
+                     "tbe": lambda: tbe(ids, offsets),
+                     "many": lambda: ibp_embed.lookup_many(tables, ids, offsets),
+                     "many_lists": lambda: ibp_embed.lookup_many(tables, ids_of, offsets_of)}
+            check(calls, dtype, b)
+            # in pairs: each call after the other's, whose tables evict its own from the caches
+            us = {}
+            for mine, theirs in (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe")):
+                t = common.time_interleaved({k: lambda f=calls[k]: [f() for _ in range(args.calls)]
+                                             for k in (theirs, mine)}, repeats=args.repeats)
+                us[mine], us[f"{theirs} with {mine}"] = (t[k]["median_s"] / args.calls * 1e6 for k in (mine, theirs))
+            runs.append({"batch": b, "fused_us": us["fused with ibp"], "ibp_us": us["ibp"],
+                         "speed": us["fused with ibp"] / us["ibp"], "tbe_us": us["tbe with many"], "many_us": us["many"],
+                         "many_speed": us["tbe with many"] / us["many"], "tbe_lists_us": us["tbe with many_lists"],
+                         "many_lists_us": us["many_lists"],
+                         "many_lists_speed": us["tbe with many_lists"] / us["many_lists"]})
     print(f"{len(rows)} Criteo tables x {args.scale:g}, {args.dtype} d{args.dim}, P{args.pooling} Zipf 1.05, "
           f"forward under no_grad, {args.threads} thread(s), median of {args.repeats} interleaved rounds of "
           f"{args.calls} calls; "
@@ -93,8 +107,26 @@ def main(argv=None) -> dict:
     print(common.markdown_table(["batch", "TorchRec fused EBC us", "IBP collection us", "fused / IBP"],
                                 [[r["batch"], common.fmt(r["fused_us"], 1), common.fmt(r["ibp_us"], 1),
                                   f"{r['speed']:.2f}x"] for r in runs]))
+    print()
+    print(common.markdown_table(["batch", "FBGEMM TBE us", "lookup_many us (TBE layout)", "TBE / IBP",
+                                 "FBGEMM TBE us", "lookup_many us (lists)", "TBE / IBP"],
+                                [[r["batch"], common.fmt(r["tbe_us"], 1), common.fmt(r["many_us"], 1),
+                                  f"{r['many_speed']:.2f}x", common.fmt(r["tbe_lists_us"], 1),
+                                  common.fmt(r["many_lists_us"], 1), f"{r['many_lists_speed']:.2f}x"] for r in runs]))
     return common.save_runs("serving", {k: v for k, v in vars(args).items() if k != "sizes"}, runs,
                             args.results_dir)
+
+
+def check(calls: dict, dtype: torch.dtype, b: int) -> None:
+    """Each IBP call's output against FBGEMM's (the fused EBC's, the TBE's)."""
+    for mine, theirs in (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe")):
+        want, got = calls[theirs](), calls[mine]()
+        same = torch.equal(want, got) if dtype == torch.float32 else \
+            torch.allclose(want, got, rtol=1e-3, atol=1e-3)
+        if not same:
+            names = {"ibp": "the IBP collection", "fused": "the fused EBC", "many": "lookup_many (TBE layout)",
+                     "many_lists": "lookup_many (lists)", "tbe": "the TBE"}
+            raise SystemExit(f"serving: {names[mine]}'s output differs from {names[theirs]}'s (B{b})")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ cache, or, from IBP_FILL_IDS_PER_ROW (10) ids a row a thread, the whole table, c
 after call: at inference batch sizes a table of a thousand rows then decodes most of
 its rows for each few dozen bags. A table of up to COPY_MAX_BYTES raw keeps its rows
 decoded (bit-exact, a raw table, made by the first call that needs it and kept by the
-table: CompressedTable.lookup_copy_nbytes, memory_stats' lookup_copy_bytes), and calls naming fewer than COPY_IDS_PER_ROW ids a row of it a
-libibp thread pool from the copy as FBGEMM pools from its table. A table whose copy cannot be made (a
-corrupt row, in a table loaded without verification) is looked up as before, where
-only the calls that name the row fail.
+table: CompressedTable.lookup_copy_nbytes, memory_stats' lookup_copy_bytes), and calls
+naming fewer than COPY_IDS_PER_ROW ids a row of it a libibp thread pool from the copy
+as FBGEMM pools from its table. A table whose copy cannot be made (a corrupt row, in a
+table loaded without verification) is looked up as before, where only the calls that
+name the row fail.
 The 26 Criteo tables (scale 0.01: 14 copies, 3.6 MB at fp32 d64), one call, P20
 Zipf ids, against no copies (1 thread, a Zen 4 EPYC, both orders in one process):
 fp32 d64 B16 0.72x the time, B128 0.68-0.71x, B512 0.86-0.96x; fp16 d64 B16 0.77x,

@@ -1,5 +1,5 @@
-"""benchmarks/serving.py (the IBP collection against TorchRec's fused EBC at small batches) on a
-tiny configuration."""
+"""benchmarks/serving.py (the IBP collection against TorchRec's fused EBC, lookup_many against
+FBGEMM's TBE, at small batches) on a tiny configuration."""
 import json
 import sys
 from pathlib import Path
@@ -19,6 +19,8 @@ def test_each_batch_is_timed_and_checked(tmp_path, dtype):
     assert [r["batch"] for r in got["runs"]] == [1, 5]
     for r in got["runs"]:
         assert r["fused_us"] > 0 and r["ibp_us"] > 0 and r["speed"] == r["fused_us"] / r["ibp_us"]
+        assert r["tbe_us"] > 0 and r["many_speed"] == r["tbe_us"] / r["many_us"]
+        assert r["many_lists_speed"] == r["tbe_lists_us"] / r["many_lists_us"]
     saved = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
     assert saved["runs"] == json.loads(json.dumps(got["runs"]))
 
@@ -35,6 +37,19 @@ def test_a_wrong_output_stops_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(serving, "ibp_ebc", wrong)
     with pytest.raises(SystemExit, match="differs from the fused EBC"):
+        serving.main(TINY + ["--results-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("layout", ["TBE layout", "lists"])
+def test_a_wrong_lookup_many_stops_it(tmp_path, monkeypatch, layout):
+    real = serving.ibp_embed.lookup_many
+
+    def wrong(tables, ids, offsets):
+        out = real(tables, ids, offsets)
+        return out + 1 if isinstance(ids, list) == (layout == "lists") else out
+
+    monkeypatch.setattr(serving.ibp_embed, "lookup_many", wrong)
+    with pytest.raises(SystemExit, match=rf"lookup_many \({layout}\)'s output differs from the TBE's"):
         serving.main(TINY + ["--results-dir", str(tmp_path)])
 
 
