@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from ctypes import addressof, c_char
 
 import numpy as np
 import torch
@@ -22,26 +21,27 @@ import torch
 from . import _native
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES
-from .packed_jobs import PackedJobs
-from .table import _MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_lookup_rc
+from .packed_jobs import PackedJobs, array_address
+from .table import _MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_lookup_rc, _ndim
 
-# the jobs of the last _CACHED sets of (tables, modes): a program usually calls with one
+# the jobs of the last _CACHED sets of (tables, modes) built: a program usually calls with one
 _CACHED = 8
-_cache: dict = {}  # (id of each table, modes) -> (weak refs to the tables, PackedJobs)
-_cache_lock = threading.Lock()
+_cache: dict = {}  # (id of each table, modes) -> (weak refs to the tables, PackedJobs, token)
+_cache_lock = threading.Lock()  # for inserting; a table's death removes its entries without it
 
 
 def _address(x, tdtype: torch.dtype, ndtype: type):
     """(address, length) of x if it is a 1-D contiguous CPU tensor or NumPy array of
-    that dtype (exactly those types: subclasses are converted), else None."""
+    that dtype (exactly those types: subclasses are converted) whose memory holds its
+    values (not a negated view, not a zero tensor without memory), else None."""
     if type(x) is torch.Tensor:
-        if x.dtype is tdtype and x.is_cpu and x.layout is torch.strided and x.dim() == 1 and x.is_contiguous():
-            return x.data_ptr(), x.numel()
+        if x.dtype is tdtype and x.is_cpu and x.layout is torch.strided and x.dim() == 1 and x.is_contiguous() \
+                and not x.is_neg():
+            n = x.numel()
+            p = x.data_ptr()
+            return (p, n) if p or not n else None
     elif type(x) is np.ndarray and x.dtype == ndtype and x.ndim == 1 and x.flags.c_contiguous:
-        try:  # a third of x.ctypes.data's 1 us
-            return addressof(c_char.from_buffer(x)), x.size
-        except (TypeError, ValueError):  # read-only or empty
-            return x.ctypes.data, x.size
+        return array_address(x), x.size
     return None
 
 
@@ -62,14 +62,18 @@ def _jobs_for(tables: list, modes: list):
     except TypeError:  # a table of a dtype lookups refuse
         return None
 
-    def forget(_):  # a table died: its jobs go (their handles point into it)
-        with _cache_lock:
+    token = object()
+
+    def forget(_):  # a table died: its jobs go (their handles point into it). No lock: a
+        # collection that frees a table may run this inside _cache_lock, on the same thread
+        got = _cache.get(key)
+        if got is not None and got[2] is token:
             _cache.pop(key, None)
 
     with _cache_lock:
-        if len(_cache) >= _CACHED:
-            _cache.pop(next(iter(_cache)))
-        _cache[key] = (tuple(weakref.ref(t, forget) for t in tables), packed)
+        while len(_cache) >= _CACHED:
+            _cache.pop(next(iter(_cache)), None)
+        _cache[key] = (tuple(weakref.ref(t, forget) for t in tables), packed, token)
     return packed
 
 
@@ -79,10 +83,11 @@ def _packed_lookup_many(tables: list, indices: list, offsets: list, weights: lis
     if not tables:
         return None
     arrays = np.zeros((4, len(tables)), dtype=np.uint64)  # PackedJobs.run_arrays'
-    first = _address(offsets[0], torch.int64, np.int64)
-    n_bags = first[1] - 1 if first is not None else -1
+    n_bags = None
     for k in range(len(tables)):
         ids, off = _address(indices[k], torch.int64, np.int64), _address(offsets[k], torch.int64, np.int64)
+        if n_bags is None and off is not None:
+            n_bags = off[1] - 1
         if ids is None or off is None or off[1] - 1 != n_bags or n_bags < 0:
             return None
         arrays[0, k], arrays[1, k], arrays[2, k] = ids[0], ids[1], off[0]
@@ -121,7 +126,7 @@ def lookup_many(tables, indices, offsets, per_sample_weights=None, mode="sum") -
     tables = list(tables)
     n = len(tables)
     modes = [mode] * n if isinstance(mode, str) else list(mode)
-    if isinstance(indices, (torch.Tensor, np.ndarray)) and indices.ndim == 1:
+    if isinstance(indices, (torch.Tensor, np.ndarray)) and indices.ndim == 1 and indices.dtype != object:
         vals, off, w, b = _tbe_layout(n, indices, offsets, per_sample_weights)
         packed = _jobs_for(tables, modes) if len(modes) == n else None
         if packed is not None:
@@ -155,18 +160,21 @@ def lookup_many(tables, indices, offsets, per_sample_weights=None, mode="sum") -
 
 def _tbe_layout(n: int, indices, offsets, per_sample_weights):
     """lookup_many's TBE layout, checked: (ids int64, offsets int64 [n * B + 1] from 0
-    to len(ids) without decreasing, weights float32 or None, B)."""
+    to len(ids), weights float32 or None, B)."""
     vals = _as_index_array(indices, "indices")
     off = _as_index_array(offsets, "offsets")
     if off.ndim != 1 or off.size < 1 or (off.size - 1) % max(n, 1) or (n == 0 and off.size != 1):
         raise ValueError(f"offsets must be 1-D with {n} tables x B bags + 1 entries, got shape {off.shape}")
-    if off[0] != 0 or off[-1] != vals.size or np.any(off[1:] < off[:-1]):
-        raise ValueError(f"offsets must run from 0 to len(indices) = {vals.size} without decreasing "
-                         f"(got {int(off[0])} .. {int(off[-1])})")
+    if off[0] != 0 or off[-1] != vals.size:  # libibp checks that each table's offsets never decrease
+        raise ValueError(f"offsets must run from 0 to len(indices) = {vals.size} (got {int(off[0])} .. "
+                         f"{int(off[-1])})")
     w = None
     if per_sample_weights is not None:
+        if isinstance(per_sample_weights, (list, tuple)):
+            raise TypeError("with indices and offsets in the TBE layout, per_sample_weights is one tensor "
+                            "like indices (or None), not a list")
         w = _as_float_array(per_sample_weights)
-        if w.shape != vals.shape:
+        if _ndim(per_sample_weights) != 1 or w.shape != vals.shape:
             raise ValueError(f"per_sample_weights must be 1-D like indices {vals.shape}, got shape "
                              f"{tuple(np.shape(per_sample_weights))}")
     return vals, off, w, (off.size - 1) // n if n else 0

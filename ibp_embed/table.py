@@ -343,7 +343,7 @@ def _as_index_array(x, name: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{name} must be integers, got {x.dtype}")
-        return np.asarray(x.detach().to("cpu", torch.int64).numpy(), order="C")  # keeps 0-d
+        return np.asarray(x.detach().resolve_neg().to("cpu", torch.int64).numpy(), order="C")  # keeps 0-d
     a = np.asarray(x)
     if a.dtype == object and a.size and all(isinstance(v, int) for v in a.reshape(-1)):
         raise IndexError(f"{name} out of range: {max(a.reshape(-1), key=abs)} does not fit in int64")
@@ -356,7 +356,7 @@ def _as_index_array(x, name: str) -> np.ndarray:
 
 def _as_float_array(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy()).reshape(-1)
+        return np.ascontiguousarray(x.detach().resolve_neg().to("cpu", torch.float32).numpy()).reshape(-1)
     return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).reshape(-1)
 
 

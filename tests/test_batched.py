@@ -5,6 +5,10 @@ that a job's offsets end at its ids' count."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,8 +140,11 @@ def test_bad_arguments_are_refused_on_every_path():
         ibp_embed.lookup_many(tables, ids_l, [torch.zeros(1, dtype=torch.int64)] * 2)  # ids but no bags
     tbe_down = offsets.copy()
     tbe_down[5], tbe_down[6] = tbe_down[6] + 1, tbe_down[5]
-    with pytest.raises(ValueError, match="without decreasing"):
+    with pytest.raises(ValueError, match="table 1: offsets must be non-decreasing"):
         ibp_embed.lookup_many(tables, ids, tbe_down)
+    mixed = [tables[0], UpdatableTable(tables[1], repack_drift=None)]  # table by table
+    with pytest.raises(ValueError, match="table 1: offsets must"):
+        ibp_embed.lookup_many(mixed, ids, tbe_down)
     with pytest.raises(ValueError, match="2 tables x B bags"):
         ibp_embed.lookup_many(tables, ids, offsets[:-1])
     with pytest.raises(ValueError, match="run from 0 to len"):
@@ -203,3 +210,49 @@ def test_small_tables_copy_once_and_report_it():
     assert torch.equal(ibp_embed.lookup_many([t, t], torch.cat([ids, ids]), torch.tensor([0, 3, 6, 9, 12])),
                        torch.cat([want, want], dim=1))
     assert t._lookup_copy() is copy  # made once
+
+
+def test_a_table_freed_while_the_cache_is_being_written_does_not_hang():
+    """A table's death removes its jobs from the cache without the cache's lock: a
+    collection that frees it may run inside a thread's write to the cache (a real
+    deadlock, found in review, with tables in reference cycles). In a subprocess,
+    under a timeout: a hang must fail the test, not the suite."""
+    code = textwrap.dedent("""
+        import gc, torch, ibp_embed
+        from ibp_embed import batched
+        t = ibp_embed.compress(torch.arange(40.0).reshape(10, 4), allow_raw=False, progress=False)
+        ibp_embed.lookup_many([t], [torch.tensor([1, 2])], [torch.tensor([0, 2])])
+        key = next(iter(batched._cache))
+        with batched._cache_lock:  # as _jobs_for holds it while it allocates
+            del t
+            gc.collect()
+        assert key not in batched._cache
+        print("done")
+    """)
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-2000:]
+
+
+def test_tensors_whose_memory_does_not_hold_their_values_are_converted():
+    """A negated view (conj().imag of a complex tensor, the negative bit) is read
+    through its values, not its memory."""
+    t = ibp_embed.compress(torch.arange(1.0, 41.0).reshape(10, 4), allow_raw=False, progress=False)
+    ids, off = torch.tensor([1]), torch.tensor([0, 1])
+    w = torch.tensor([1 + 2j]).conj().imag  # one element: contiguous whatever its stride
+    assert w.is_neg() and w.is_contiguous()
+    assert_bits_equal(ibp_embed.lookup_many([t], [ids], [off], [w]), t.lookup(ids, off, w.clone()))
+    with pytest.raises(IndexError, match="table 0: row index -1 out of range"):
+        ibp_embed.lookup_many([t], [torch._neg_view(torch.tensor([1]))], [off])
+
+
+def test_tbe_layout_arguments_that_belong_to_lists_are_refused_or_taken_as_lists():
+    t = make_tables(13, 1)[0]
+    ids, off = torch.tensor([0, 0, 0]), torch.tensor([0, 3])
+    with pytest.raises(TypeError, match="per_sample_weights is one tensor like indices"):
+        ibp_embed.lookup_many([t], ids, off, [None])
+    with pytest.raises(ValueError, match="per_sample_weights must be 1-D like indices"):
+        ibp_embed.lookup_many([t], ids, off, torch.ones(3, 1))
+    per_table = np.empty(1, dtype=object)  # a NumPy array of each table's ids: lists, as before
+    per_table[0] = ids.numpy()
+    assert_bits_equal(ibp_embed.lookup_many([t], per_table, [off]), t.lookup(ids, off))
