@@ -118,7 +118,8 @@ class PackedJobs:
         self._copies = [None] * len(tables)  # job k's table's decoded copy, once taken; never replaced
         self._copy_ptr = np.zeros(len(tables), dtype=np.uint64)
         self._copy_lock = threading.Lock()
-        self._limit, self._limit_threads = None, None  # see _run
+        self._refused = 0  # copies that could not be made: a new count makes _run recompute its limits
+        self._limit = None  # ((libibp's threads, _refused), per job the ids under which it pools from its copy)
 
     def _make_copies(self, jobs, table_of) -> None:
         with self._copy_lock:  # a copy's pointer is published once the copy is kept
@@ -130,7 +131,7 @@ class PackedJobs:
                         copy = None
                     if copy is None:  # a corrupt row: only the calls that name it fail
                         self._small[k] = False
-                        self._limit_threads = None
+                        self._refused += 1
                         continue
                     self._copies[k] = copy
                     self._copy_ptr[k] = int(ffi.cast("uintptr_t", copy._c))
@@ -145,11 +146,11 @@ class PackedJobs:
         """Completes jobs (the fields of words, the template's copy with the batch's
         arrays) with the tables to pool from and the output, and runs them: (libibp's
         return code, the failed job)."""
-        threads = lib.ibp_get_num_threads()
-        if threads != self._limit_threads:  # per job, the ids under which it pools from its copy (0: never)
-            self._limit = np.where(self._small, COPY_IDS_PER_ROW * max(1, threads) * self._rows, 0)
-            self._limit_threads = threads
-        copy = (n_ids > 0) & (n_ids < self._limit)
+        key = (lib.ibp_get_num_threads(), self._refused)  # read before _small: a refusal after it shows next call
+        limit = self._limit
+        if limit is None or limit[0] != key:  # one assignment: calls from several threads may race here
+            limit = self._limit = (key, np.where(self._small, COPY_IDS_PER_ROW * max(1, key[0]) * self._rows, 0))
+        copy = (n_ids > 0) & (n_ids < limit[1])
         if copy.any():
             if not self._copy_ptr[copy].all():
                 self._make_copies(np.flatnonzero(copy), table_of)
