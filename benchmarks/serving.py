@@ -10,12 +10,13 @@ rows of each table. Here the 26 Criteo Kaggle tables (cardinalities x --scale, t
 quick set's 0.01 by default) are looked up by an IBPEmbeddingBagCollection and by
 TorchRec's FusedEmbeddingBagCollection (FBGEMM's TBE, HOST) with the same weights,
 forward only under no_grad, one KeyedJaggedTensor of B bags of P Zipf(1.05) ids a
-feature, 1 thread (--threads), each IBP call interleaved with its FBGEMM counterpart
+feature (or --stream distinct ones, looked up in turn, as a server sees them), 1
+thread (--threads), each IBP call interleaved with its FBGEMM counterpart
 (common.time_interleaved, --calls calls a round; in pairs, so that each runs after
-the other, whose tables take the caches). One level down, the same batch through FBGEMM's TBE forward (the
-fused EBC's kernel, ids and offsets as the KJT holds them) and through
-ibp_embed.lookup_many, given the same two tensors (the TBE layout) and given one
-tensor of ids and one of offsets a table (lists). Outputs are checked against the
+the other, whose tables take the caches). One level down, the same batches through
+FBGEMM's TBE forward (the fused EBC's kernel, ids and offsets as the KJT holds
+them) and through ibp_embed.lookup_many, given the same two tensors (the TBE
+layout) and given one tensor of ids and one of offsets a table (lists). Outputs are checked against the
 fused EBC's and the TBE's (float32: bit for bit; float16: to 1e-3). Results: two
 markdown tables (median us a call and the ratio of FBGEMM's time to IBP's, above 1
 where IBP is faster) and benchmarks/results/serving-<UTC time>.json.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -49,13 +51,15 @@ def parse(argv=None):
     p.add_argument("--calls", type=int, default=20, help="calls a timed round (default 20)")
     p.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
     p.add_argument("--threads", type=int, default=1, help="torch and libibp threads (default 1)")
+    p.add_argument("--stream", type=int, default=1,
+                   help="distinct batches a size, looked up in turn (default 1: the same batch every call)")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
     try:
         args.sizes = [int(b) for b in args.batches.split(",")]
     except ValueError:
         p.error(f"--batches takes comma-separated integers, not {args.batches!r}")
-    for name in ("dim", "pooling", "calls", "repeats", "threads"):
+    for name in ("dim", "pooling", "calls", "repeats", "threads", "stream"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     if min(args.sizes) < 1 or not 0 < args.scale <= 1:
@@ -80,19 +84,18 @@ def main(argv=None) -> dict:
     with torch.no_grad(), common.threads(args.threads):
         for b in args.sizes:
             print(f"[serving] B{b} x P{args.pooling}", file=sys.stderr, flush=True)
-            kjt = make_batch(rows, Workload(b, args.pooling, 1.05), args.pooling + b, [None] * len(rows)).kjt
-            ids, offsets = kjt.values(), kjt.offsets()
-            ids_of = [ids[offsets[k * b]:offsets[(k + 1) * b]] for k in range(len(rows))]
-            offsets_of = [offsets[k * b:(k + 1) * b + 1] - offsets[k * b] for k in range(len(rows))]
-            calls = {"fused": lambda: fused(kjt).values(), "ibp": lambda: ibp(kjt).values(),
-                     "tbe": lambda: tbe(ids, offsets),
-                     "many": lambda: ibp_embed.lookup_many(tables, ids, offsets),
-                     "many_lists": lambda: ibp_embed.lookup_many(tables, ids_of, offsets_of)}
-            check(calls, dtype, b)
+            stream = [serving_batch(rows, b, args.pooling, args.pooling + b + 7919 * s) for s in range(args.stream)]
+            calls = {"fused": lambda x: fused(x.kjt).values(), "ibp": lambda x: ibp(x.kjt).values(),
+                     "tbe": lambda x: tbe(x.ids, x.offsets),
+                     "many": lambda x: ibp_embed.lookup_many(tables, x.ids, x.offsets),
+                     "many_lists": lambda x: ibp_embed.lookup_many(tables, x.ids_of, x.offsets_of)}
+            for x in stream:
+                check(calls, x, dtype, b)
             # in pairs: each call after the other's, whose tables evict its own from the caches
             us = {}
             for mine, theirs in (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe")):
-                t = common.time_interleaved({k: lambda f=calls[k]: [f() for _ in range(args.calls)]
+                t = common.time_interleaved({k: lambda f=calls[k]: [f(stream[i % len(stream)])
+                                                                    for i in range(args.calls)]
                                              for k in (theirs, mine)}, repeats=args.repeats)
                 us[mine], us[f"{theirs} with {mine}"] = (t[k]["median_s"] / args.calls * 1e6 for k in (mine, theirs))
             runs.append({"batch": b, "fused_us": us["fused with ibp"], "ibp_us": us["ibp"],
@@ -101,8 +104,8 @@ def main(argv=None) -> dict:
                          "many_lists_us": us["many_lists"],
                          "many_lists_speed": us["tbe with many_lists"] / us["many_lists"]})
     print(f"{len(rows)} Criteo tables x {args.scale:g}, {args.dtype} d{args.dim}, P{args.pooling} Zipf 1.05, "
-          f"forward under no_grad, {args.threads} thread(s), median of {args.repeats} interleaved rounds of "
-          f"{args.calls} calls; "
+          f"{args.stream} distinct batch(es) a size, forward under no_grad, {args.threads} thread(s), median of "
+          f"{args.repeats} interleaved rounds of {args.calls} calls; "
           f"load average {common.load_average()}\n")
     print(common.markdown_table(["batch", "TorchRec fused EBC us", "IBP collection us", "fused / IBP"],
                                 [[r["batch"], common.fmt(r["fused_us"], 1), common.fmt(r["ibp_us"], 1),
@@ -117,10 +120,20 @@ def main(argv=None) -> dict:
                             args.results_dir)
 
 
-def check(calls: dict, dtype: torch.dtype, b: int) -> None:
+def serving_batch(rows: list, b: int, pooling: int, seed: int) -> SimpleNamespace:
+    """A batch of b bags a table as each call takes it: the KJT, its ids and offsets (the
+    TBE layout), and each table's ids and offsets from 0 (lists)."""
+    kjt = make_batch(rows, Workload(b, pooling, 1.05), seed, [None] * len(rows)).kjt
+    ids, offsets = kjt.values(), kjt.offsets()
+    return SimpleNamespace(kjt=kjt, ids=ids, offsets=offsets,
+                           ids_of=[ids[offsets[k * b]:offsets[(k + 1) * b]] for k in range(len(rows))],
+                           offsets_of=[offsets[k * b:(k + 1) * b + 1] - offsets[k * b] for k in range(len(rows))])
+
+
+def check(calls: dict, batch: SimpleNamespace, dtype: torch.dtype, b: int) -> None:
     """Each IBP call's output against FBGEMM's (the fused EBC's, the TBE's)."""
     for mine, theirs in (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe")):
-        want, got = calls[theirs](), calls[mine]()
+        want, got = calls[theirs](batch), calls[mine](batch)
         same = torch.equal(want, got) if dtype == torch.float32 else \
             torch.allclose(want, got, rtol=1e-3, atol=1e-3)
         if not same:

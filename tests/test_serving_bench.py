@@ -25,6 +25,14 @@ def test_each_batch_is_timed_and_checked(tmp_path, dtype):
     assert saved["runs"] == json.loads(json.dumps(got["runs"]))
 
 
+def test_a_stream_of_batches_is_checked_batch_by_batch(tmp_path, monkeypatch):
+    real, seen = serving.check, []
+    monkeypatch.setattr(serving, "check", lambda calls, x, *a: seen.append(x) or real(calls, x, *a))
+    got = serving.main(TINY + ["--batches", "3", "--stream", "3", "--results-dir", str(tmp_path)])
+    assert len(seen) == 3 and len({tuple(x.ids.tolist()) for x in seen}) == 3  # three distinct batches
+    assert got["config"]["stream"] == 3
+
+
 def test_a_wrong_output_stops_it(tmp_path, monkeypatch):
     real = serving.ibp_ebc
 
@@ -55,7 +63,7 @@ def test_a_wrong_lookup_many_stops_it(tmp_path, monkeypatch, layout):
 
 def test_bad_arguments():
     for bad in (["--batches", "0"], ["--batches", "1k"], ["--dim", "0"], ["--calls", "0"], ["--scale", "2"],
-                ["--threads", "0"]):
+                ["--threads", "0"], ["--stream", "0"]):
         with pytest.raises(SystemExit):
             serving.parse(bad)
     assert serving.parse([]).sizes == [1, 16, 128, 1024]
