@@ -25,7 +25,6 @@ import torch
 
 import ibp_embed
 from ibp_embed import datasets
-from ibp_embed.batched import _lookup_many_checked
 
 from . import common
 from .lookup.systems import build_tbe
@@ -75,7 +74,7 @@ def time_table(n_rows: int, dist: str, args) -> dict:
     ids_np, offsets_np = ids.numpy(), offsets.numpy()
 
     def ibp():
-        return _lookup_many_checked([(table, ids_np, offsets_np, None, "sum")], args.batch)
+        return ibp_embed.lookup_many([table], [ids_np], [offsets_np])
 
     want, got = tbe(ids, offsets), ibp()
     same = torch.equal(want, got) if dtype == torch.float32 else torch.allclose(want, got, rtol=1e-3, atol=1e-3)

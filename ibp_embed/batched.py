@@ -18,9 +18,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import _native
-from ._native import ffi, lib
-from .dtypes import LOOKUP_DTYPES
+from ._native import lib
 from .packed_jobs import PackedJobs, array_address
 from .table import _MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_lookup_rc, _ndim
 
@@ -197,39 +195,23 @@ def _lookup_many_checked(jobs, n_bags: int, what=None) -> torch.Tensor:
     fills its output). jobs: [(table, ids, bag offsets [n_bags + 1], weights or None,
     mode)], with the arguments _lookup_checked takes (already validated). libibp
     spreads the jobs' bags over its threads in one parallel region and writes each
-    job's columns in place (no per-table outputs to concatenate). what(k) names job
-    k in errors."""
-    dims = [t.shape[1] for t, *_ in jobs]
-    out = torch.empty((n_bags, sum(dims)), dtype=torch.float32)
-    if not jobs or n_bags == 0:
-        return out
-    c_jobs = ffi.new("ibp_lookup_job[]", len(jobs))
-    base, col = out.data_ptr(), 0
-    for k, (t, idx, off, w, mode) in enumerate(jobs):
-        # O(1) checks that keep libibp inside the arrays (it checks the offsets' order)
-        if t.dtype not in LOOKUP_DTYPES:
-            raise TypeError(f"job {k}: pooled lookups need a float32, float16 or bfloat16 table, not {t.dtype}")
+    job's columns in place (no per-table outputs to concatenate); no decoded copies
+    (PackedJobs(copies=False)): the paths this exercises are libibp's own. what(k)
+    names job k in errors."""
+    for k, (t, idx, off, w, mode) in enumerate(jobs):  # O(1) checks that keep libibp inside the arrays
         if idx.dtype != np.int64 or off.dtype != np.int64 or (w is not None and w.dtype != np.float32):
             raise TypeError(f"job {k}: ids and offsets must be int64 arrays and weights float32")
         if off.size != n_bags + 1:
             raise ValueError(f"job {k}: {off.size - 1} bags, the batch has {n_bags}")
-        if off[-1] != idx.size or (w is not None and w.size != idx.size):
+        if off[-1] != idx.size or (w is not None and w.size != idx.size):  # (libibp checks the first too)
             raise ValueError(f"job {k}: offsets end at {int(off[-1])} for {idx.size} ids"
                              + ("" if w is None else f" and {w.size} weights"))
-        j = c_jobs[k]
-        j.table, j.dtype, j.dim = t._c, LOOKUP_DTYPES[t.dtype], dims[k]
-        j.indices = _native.ptr(idx, "const int64_t *") if idx.size else ffi.NULL
-        j.n_indices = idx.size
-        j.offsets = _native.ptr(off, "const int64_t *")
-        j.n_bags, j.mode = n_bags, _MODES[mode]
-        j.weights = ffi.NULL if w is None else _native.ptr(w, "const float *")
-        j.out, j.out_stride = ffi.cast("float *", base + 4 * col), out.shape[1]
-        col += dims[k]
-    failed = ffi.new("uint64_t *")
-    rc = lib.ibp_lookup_many(c_jobs, len(jobs), failed)
+    packed = PackedJobs([t for t, *_ in jobs], [mode for *_, mode in jobs], copies=False)
+    arrays = np.array([[array_address(idx) for _, idx, _, _, _ in jobs], [idx.size for _, idx, _, _, _ in jobs],
+                       [array_address(off) for _, _, off, _, _ in jobs],
+                       [0 if w is None else array_address(w) for _, _, _, w, _ in jobs]],
+                      dtype=np.uint64).reshape(4, len(jobs))
+    out, rc, k = packed.run_arrays(arrays, n_bags, lambda k: jobs[k][0])
     if rc != lib.IBP_OK:
-        k = int(failed[0])
         _check_lookup_rc(rc, what(k) if what else f"lookup job {k}", jobs[k][1], jobs[k][2], jobs[k][0].shape[0])
     return out
-
-

@@ -4,7 +4,7 @@ A module's lookups (IBPEmbeddingBagCollection, the DMP kernel) and a program's c
 of lookup_many name the same tables, dims, modes and output columns call after call;
 only the batch's pointers change.
 Built per call (Slot objects, each feature's id and offset slices, a cffi job
-filled field by field as _lookup_many_checked fills it), the jobs took about 170 of
+filled field by field), the jobs took about 170 of
 the 254 us a B1 forward into the 26 Criteo tables took, against 115-134 us for
 TorchRec's fused EBC (1 thread, a Zen 4 EPYC). Here the jobs live in a NumPy array
 laid out as ``ibp_lookup_job`` (field offsets from cffi), and a call writes a
@@ -69,8 +69,10 @@ _JOB = _job_dtype()
 
 
 def array_address(a: np.ndarray) -> int:
-    """The address of a's first element: a third of a.ctypes.data's 1 us (the jobs are
-    written for every call)."""
+    """The address of a's first element (a C-contiguous array's): a third of
+    a.ctypes.data's 1 us (the jobs are written for every call)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("libibp reads contiguous arrays only")
     try:
         return addressof(c_char.from_buffer(a))
     except (TypeError, ValueError):  # read-only or empty
@@ -86,9 +88,10 @@ class PackedJobs:
     (JobCache, batched.lookup_many's cache) and passes table_of(job), whose decoded
     copy (a small table's, see the module's doc) the jobs keep once taken. Calls from
     several threads each write their own copy of the jobs; copies are taken under a
-    lock."""
+    lock. copies=False: none (the native lookup's own paths, as tests need them)."""
 
-    def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int] = ()):
+    def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int] = (),
+                 copies: bool = True):
         tables = tuple(tables)
         if len(tables) != len(modes):
             raise ValueError(f"{len(tables)} tables need as many modes, got {len(modes)}")
@@ -114,7 +117,8 @@ class PackedJobs:
         self._template = jobs.view(np.uint64)  # copied as plain words: a third of a structured copy's 3.8 us
         self._table_ptr = jobs["table"].copy()
         self._rows = np.array([t.shape[0] for t in tables], dtype=np.int64)
-        self._small = np.array([not t.is_raw and 0 < t.raw_nbytes <= COPY_MAX_BYTES for t in tables], dtype=bool)
+        self._small = np.array([copies and not t.is_raw and 0 < t.raw_nbytes <= COPY_MAX_BYTES for t in tables],
+                               dtype=bool)
         self._copies = [None] * len(tables)  # job k's table's decoded copy, once taken; never replaced
         self._copy_ptr = np.zeros(len(tables), dtype=np.uint64)
         self._copy_lock = threading.Lock()

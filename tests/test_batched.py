@@ -85,20 +85,20 @@ def test_the_kept_path_is_the_one_taken():
     lists = ([torch.from_numpy(i) for i, _, _ in parts], [torch.from_numpy(o) for _, o, _ in parts],
              [torch.from_numpy(w) for _, _, w in parts])
     want = ibp_embed.lookup_many(tables, *lists)
-    calls = []
+    checked = []  # calls that took the checked path (converted arguments)
     with pytest.MonkeyPatch.context() as m:
-        real = packed_jobs.PackedJobs.run_arrays
-        m.setattr(packed_jobs.PackedJobs, "run_arrays", lambda self, *a: calls.append(1) or real(self, *a))
+        real = batched._lookup_many_checked
+        m.setattr(batched, "_lookup_many_checked", lambda *a: checked.append(1) or real(*a))
         assert_bits_equal(ibp_embed.lookup_many(tables, *lists), want)
-        assert len(calls) == 1
+        assert_bits_equal(ibp_embed.lookup_many(tables, ids, offsets, weights), want)
+        assert not checked
         strided = [torch.from_numpy(np.repeat(i, 2))[::2] for i, _, _ in parts]  # not contiguous
         as_int32 = [torch.from_numpy(o).int() for _, o, _ in parts]
         as_lists = [i.tolist() for i, _, _ in parts]
         for args in ((strided, lists[1], lists[2]), (lists[0], as_int32, lists[2]), (as_lists, lists[1], lists[2]),
                      (lists[0], lists[1], [w.double() for w in lists[2]])):
             assert_bits_equal(ibp_embed.lookup_many(tables, *args), want)
-        assert len(calls) == 1
-    assert_bits_equal(ibp_embed.lookup_many(tables, ids, offsets, weights), want)
+        assert len(checked) == 4
 
 
 def test_tbe_layout_with_an_updatable_table_runs_table_by_table():
@@ -256,3 +256,14 @@ def test_tbe_layout_arguments_that_belong_to_lists_are_refused_or_taken_as_lists
     per_table = np.empty(1, dtype=object)  # a NumPy array of each table's ids: lists, as before
     per_table[0] = ids.numpy()
     assert_bits_equal(ibp_embed.lookup_many([t], per_table, [off]), t.lookup(ids, off))
+
+
+def test_the_checked_path_takes_no_copies_and_reads_contiguous_arrays_only():
+    """_lookup_many_checked (the fallbacks', the tests' native paths) runs libibp's own
+    paths, not a decoded copy; an array that is not contiguous never reaches libibp."""
+    t = ibp_embed.compress(structured(100, 8, torch.float32), progress=False)
+    ids, off = np.arange(6, dtype=np.int64), np.array([0, 3, 6], np.int64)
+    assert_bits_equal(batched._lookup_many_checked([(t, ids, off, None, "sum")], 2), t.lookup(ids, off))
+    assert t.lookup_copy_nbytes == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        batched._lookup_many_checked([(t, np.arange(12, dtype=np.int64)[::2], off, None, "sum")], 2)

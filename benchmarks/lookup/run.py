@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import ibp_embed
-from ibp_embed.batched import _lookup_many_checked
 
 from .. import common
 from .codec_sizes import (
@@ -153,8 +152,7 @@ def run_table_set(ts: TableSet, workloads, args, log) -> dict:
         return lambda b: torch.cat([tab.lookup(ids, off) for tab, (ids, off) in zip(tabs, b.features)], dim=1)
 
     def lookup_many_fn(tabs):
-        return lambda b: _lookup_many_checked([(tab, ids, off, None, "sum") for tab, (ids, off) in zip(tabs, b.features)],
-                                     b.features[0][1].size - 1)
+        return lambda b: ibp_embed.lookup_many(tabs, [ids for ids, _ in b.features], [off for _, off in b.features])
 
     for wb, k in IBP_VARIANTS:
         v = variants[f"W{wb} K{k}"]
