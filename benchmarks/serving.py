@@ -39,6 +39,7 @@ from .lookup.tables import criteo_rows
 from .lookup.workloads import Workload, make_batch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+PAIRS = (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe"))  # each IBP call and its FBGEMM counterpart
 
 
 def parse(argv=None):
@@ -93,7 +94,7 @@ def main(argv=None) -> dict:
                 check(calls, x, dtype, b)
             # in pairs: each call after the other's, whose tables evict its own from the caches
             us = {}
-            for mine, theirs in (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe")):
+            for mine, theirs in PAIRS:
                 t = common.time_interleaved({k: lambda f=calls[k]: [f(stream[i % len(stream)])
                                                                     for i in range(args.calls)]
                                              for k in (theirs, mine)}, repeats=args.repeats)
@@ -132,7 +133,7 @@ def serving_batch(rows: list, b: int, pooling: int, seed: int) -> SimpleNamespac
 
 def check(calls: dict, batch: SimpleNamespace, dtype: torch.dtype, b: int) -> None:
     """Each IBP call's output against FBGEMM's (the fused EBC's, the TBE's)."""
-    for mine, theirs in (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe")):
+    for mine, theirs in PAIRS:
         want, got = calls[theirs](batch), calls[mine](batch)
         same = torch.equal(want, got) if dtype == torch.float32 else \
             torch.allclose(want, got, rtol=1e-3, atol=1e-3)

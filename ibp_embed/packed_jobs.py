@@ -106,6 +106,7 @@ class PackedJobs:
         if self.key_index.size and self.key_index.min() < 0:
             raise ValueError(f"key indices must not be negative, got {self.key_index.tolist()}")
         self._key_u64 = self.key_index.astype(np.uint64)
+        self._keys_needed = int(self.key_index.max()) + 1 if self.key_index.size else 0
         self._cols = np.zeros(len(dims), dtype=np.uint64)  # each job's first output byte
         self._cols[1:] = 4 * np.cumsum(dims[:-1], dtype=np.uint64)
         jobs = np.zeros(len(tables), dtype=_JOB)
@@ -170,16 +171,19 @@ class PackedJobs:
     def __call__(self, values: np.ndarray, offsets: np.ndarray, weights, n_bags: int,
                  what: Callable[[int], str], table_of: Callable[[int], CompressedTable]) -> torch.Tensor:
         """[n_bags, width] float32 of a batch laid out as a KeyedJaggedTensor's: values
-        int64, offsets int64 [n_keys * n_bags + 1] from 0 to len(values) without
-        decreasing, weights float32 like values or None, all contiguous and checked by
-        the caller (libibp checks every id it reads and each job's offsets). An
-        out-of-range id raises IndexError naming what(job)."""
+        int64, offsets int64 [n_keys * n_bags + 1] from 0 to len(values), weights
+        float32 like values or None, all contiguous and checked by the caller. libibp
+        checks every id it reads and each job's offsets, so the caller need not check
+        that the offsets never decrease where the jobs read every key (the keys share
+        their bounds: lookup_many's TBE layout); elsewhere it must (JobCache's KJTs),
+        or a key's start could lie outside values. An out-of-range id raises
+        IndexError naming what(job)."""
         out = torch.empty((n_bags, self.width), dtype=torch.float32)
         n = self._rows.size
         if n == 0 or n_bags == 0:
             return out
         n_keys = (offsets.size - 1) // n_bags
-        if offsets.size != n_keys * n_bags + 1 or (self.key_index.size and self.key_index.max() >= n_keys):
+        if offsets.size != n_keys * n_bags + 1 or self._keys_needed > n_keys:
             raise ValueError(f"offsets of {offsets.size} entries do not hold the {n_bags} bags of keys "
                              f"{self.key_index.tolist()}")
         # each key's bag offsets from 0, one row a key (the native jobs want them so)

@@ -53,10 +53,14 @@ class TableReads:
 
     def decompress(self) -> torch.Tensor:
         """The whole table, bit-exact, as an [N, D] tensor of the original dtype."""
+        return rows_to_tensor(self._decoded_rows(), self._dtype, self._shape[1])
+
+    def _decoded_rows(self) -> np.ndarray:
+        """Every row decoded, [N, R] uint8 (FormatError for a row that cannot be)."""
         out = np.empty((self._shape[0], self._row_bytes), dtype=np.uint8)
         if self._shape[0]:
             _native.check(self._native_decode(ffi.NULL, 0, _native.ptr(out, "uint8_t *")), "decompress")
-        return rows_to_tensor(out, self._dtype, self._shape[1])
+        return out
 
     def gather(self, indices) -> torch.Tensor:
         """Rows at `indices` (any shape of integers), bit-exact: shape indices.shape + (D,)."""
@@ -208,10 +212,12 @@ class CompressedTable(TableReads):
             with _COPY_LOCK:
                 copy = self.__dict__.get("_copy")
                 if copy is None:
-                    rows = np.empty((self._shape[0], self._row_bytes), dtype=np.uint8)
-                    rc = self._native_decode(ffi.NULL, 0, _native.ptr(rows, "uint8_t *")) if rows.size else 0
-                    copy = self._copy = False if rc != lib.IBP_OK else \
-                        CompressedTable.raw(rows, self._dtype, self._shape[1], self._word_bits)
+                    try:
+                        copy = CompressedTable.raw(self._decoded_rows(), self._dtype, self._shape[1],
+                                                   self._word_bits)
+                    except FormatError:
+                        copy = False
+                    self._copy = copy
         return copy or None
 
     @property
