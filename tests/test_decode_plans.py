@@ -85,6 +85,36 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
                 assert_decodes(t, x[ids], ids)
 
 
+@pytest.mark.parametrize("outliers", [0.0, 0.01])
+@pytest.mark.parametrize("invariant_bits", [17, 18])
+def test_uniform_plans_place_steps_by_arithmetic(invariant_bits, outliers):
+    """Where every 64-bit word of a table has one mask and one set of bit values, the
+    x86-64-v3 decoders read one step's plan for a whole row and place its steps by
+    arithmetic (unit_steps_uniform in native/ibp_units_avx2.inc): a full row's step s
+    at s * (256 - 4c) bits, on a byte boundary only where c, a word's invariant bits,
+    is even; any other row's from a popcount of its header, the steps with a word that
+    does not participate decoded again after. Columns alternate between values in
+    [1, 2) (sign and exponent invariant: 9 bits a float) and values of either sign
+    (8 bits) or of one sign (9): c = 17 or 18; scattered outliers (another exponent)
+    make words that do not participate. Every instruction set must decode the table
+    bit for bit."""
+    g = torch.Generator().manual_seed(47)
+    w = 1 + torch.rand(900, 128, generator=g)
+    if invariant_bits == 17:
+        w[:, 1::2] *= torch.where(torch.rand(900, 64, generator=g) < 0.5, -1.0, 1.0)
+    w = torch.where(torch.rand(900, 128, generator=g) < outliers, w * 1024, w)
+    t = ibp_embed.compress(w, word_bits=64)
+    masks, bitvals = np.asarray(t.masks)[0], np.asarray(t.bitvals)[0]
+    assert t.clusters == 1 and len(set(masks.tolist())) == 1 and len(set(bitvals.tolist())) == 1
+    assert bin(int(masks[0])).count("1") == invariant_bits
+    lengths = t.row_lengths()
+    assert (lengths == lengths.min()).any() and (outliers == 0) == (len(np.unique(lengths)) == 1)
+    ids = torch.randint(0, 900, (400,), generator=g)
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
 def lane_extras(t) -> list[list[int]]:
     """Each step's lanes' extras (W - vbits, cluster 0) of a W = 16 table t."""
     extras = [bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]  # a mask's bits: the invariant ones
