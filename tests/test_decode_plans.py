@@ -85,9 +85,10 @@ def test_decode_plans_follow_each_words_own_runs(word_bits):
                 assert_decodes(t, x[ids], ids)
 
 
+@pytest.mark.parametrize("dim", [128, 136, 384])
 @pytest.mark.parametrize("outliers", [0.0, 0.01])
 @pytest.mark.parametrize("invariant_bits", [17, 18])
-def test_uniform_plans_place_steps_by_arithmetic(invariant_bits, outliers):
+def test_uniform_plans_place_steps_by_arithmetic(invariant_bits, outliers, dim):
     """Where every 64-bit word of a table has one mask and one set of bit values, the
     x86-64-v3 decoders read one step's plan for a whole row and place its steps by
     arithmetic (unit_steps_uniform in native/ibp_units_avx2.inc): a full row's step s
@@ -96,13 +97,14 @@ def test_uniform_plans_place_steps_by_arithmetic(invariant_bits, outliers):
     does not participate decoded again after. Columns alternate between values in
     [1, 2) (sign and exponent invariant: 9 bits a float) and values of either sign
     (8 bits) or of one sign (9): c = 17 or 18; scattered outliers (another exponent)
-    make words that do not participate. Every instruction set must decode the table
-    bit for bit."""
+    make words that do not participate. Rows of 136 floats end in a unit past the
+    steps, rows of 384 take 48 steps (three of the header's 64-bit words). Every
+    instruction set must decode the table bit for bit."""
     g = torch.Generator().manual_seed(47)
-    w = 1 + torch.rand(900, 128, generator=g)
+    w = 1 + torch.rand(900, dim, generator=g)
     if invariant_bits == 17:
-        w[:, 1::2] *= torch.where(torch.rand(900, 64, generator=g) < 0.5, -1.0, 1.0)
-    w = torch.where(torch.rand(900, 128, generator=g) < outliers, w * 1024, w)
+        w[:, 1::2] *= torch.where(torch.rand(900, dim // 2, generator=g) < 0.5, -1.0, 1.0)
+    w = torch.where(torch.rand(900, dim, generator=g) < outliers, w * 1024, w)
     t = ibp_embed.compress(w, word_bits=64)
     masks, bitvals = np.asarray(t.masks)[0], np.asarray(t.bitvals)[0]
     assert t.clusters == 1 and len(set(masks.tolist())) == 1 and len(set(bitvals.tolist())) == 1
@@ -113,6 +115,36 @@ def test_uniform_plans_place_steps_by_arithmetic(invariant_bits, outliers):
     for _ in every_isa():
         assert_decodes(t, w)
         assert_decodes(t, w[ids], ids)
+
+
+@pytest.mark.parametrize("word_bits", [16, 32])
+def test_uniform_plans_at_w16_and_w32(word_bits):
+    """At W = 16 and 32 a uniform plan's steps (every unit of four words, or two, the
+    same masks) read one step's plan for the whole row too (unit_steps_uniform):
+    values in [1, 2) with scattered outliers, every instruction set bit for bit."""
+    g = torch.Generator().manual_seed(53)
+    w = 1 + torch.rand(900, 136, generator=g)
+    w = torch.where(torch.rand(900, 136, generator=g) < 0.01, w * 1024, w)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert t.clusters == 1 and len(np.unique(t.row_lengths())) > 3
+    ids = torch.randint(0, 900, (400,), generator=g)
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
+def test_tables_of_more_clusters_than_planned_steps():
+    """Tables of more than 16 clusters have no planned steps on the x86-64-v3 kernels
+    (UNIT_STEPS_MAX_CLUSTERS): their rows go unit by unit, and no step's plan may be
+    read (make sanitize stopped at a read through NULL before 8f7c670). Rows of 21
+    magnitudes with scattered outliers, every instruction set bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    w = (1 + torch.rand(1000, 32, generator=g)) * 2.0 ** torch.randint(-40, 40, (1000, 1), generator=g).float()
+    w = torch.where(torch.rand(1000, 32, generator=g) < 0.02, w * 1024, w)
+    t = ibp_embed.compress(w, word_bits=64, clusters=64, allow_raw=False)
+    assert t.clusters > 16
+    for _ in every_isa():
+        assert_decodes(t, w)
 
 
 def lane_extras(t) -> list[list[int]]:
