@@ -133,6 +133,44 @@ def test_uniform_plans_at_w16_and_w32(word_bits):
         assert_decodes(t, w[ids], ids)
 
 
+def bits(*runs: tuple[int, int]) -> int:
+    """The mask of bit runs [a, b)."""
+    return sum(((1 << (b - a)) - 1) << a for a, b in runs)
+
+
+@pytest.mark.parametrize("case", ["fp16 pairs", "three runs and one", "a word all invariant", "columns of their own"])
+def test_w32_steps_decode_a_word_a_lane(case):
+    """At W = 32 the x86-64-v3 decoders take a row's steps a word a 32-bit lane
+    (decode_word_lanes in native/ibp_units_avx2.inc): each word's first bit from its
+    nibble's and a byte of the step's plan, the deposit by the word's own segments.
+    Even and odd columns have their own invariant bits and values: two runs a word
+    (float16 pairs), three runs and one (the most segments a plan holds), a word
+    whose every bit is invariant (fields of no bits); those plans are uniform (step
+    0's for every step). Columns of their own (five masks and values, a period that
+    no step repeats) read each step's plan. 1% of words have an invariant bit
+    flipped and do not participate. Rows of 130 words end in a unit past the steps.
+    Every instruction set must decode the table bit for bit."""
+    pattern = {"fp16 pairs": [bits((10, 14), (26, 30)), bits((10, 14), (26, 30))],
+               "three runs and one": [bits((2, 3), (9, 12), (25, 31)), bits((28, 31))],
+               "a word all invariant": [bits((27, 31)), bits((0, 32))],
+               "columns of their own": [bits((23, 31)), bits((20, 31)), bits((4, 9), (26, 30)), bits((0, 16)),
+                                        bits((12, 24))]}[case]
+    rng = np.random.default_rng(59)
+    words = rng.integers(0, 1 << 32, (900, 130), dtype=np.uint64)
+    masks = np.array([pattern[c % len(pattern)] for c in range(130)], dtype=np.uint64)
+    values = rng.integers(0, 1 << 32, len(pattern), dtype=np.uint64)[np.arange(130) % len(pattern)] & masks
+    words = words & ~masks | values
+    words ^= np.where(rng.random((900, 130)) < 0.01, masks & (0 - masks), 0).astype(np.uint64)  # lowest bit flipped
+    w = torch.from_numpy(words.astype(np.uint32).view(np.int32))
+    t = ibp_embed.compress(w, word_bits=32)
+    assert t.clusters == 1 and np.array_equal(np.asarray(t.masks)[0], masks)
+    assert np.array_equal(np.asarray(t.bitvals)[0], values) and len(np.unique(t.row_lengths())) > 3
+    ids = torch.from_numpy(rng.integers(0, 900, 400))
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
 def test_tables_of_more_clusters_than_planned_steps():
     """Tables of more than 16 clusters have no planned steps on the x86-64-v3 kernels
     (UNIT_STEPS_MAX_CLUSTERS): their rows go unit by unit, and no step's plan may be
