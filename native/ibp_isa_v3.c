@@ -21,13 +21,14 @@
 #define IBP_FLOAT_TO_HALF(f) _cvtss_sh((f), _MM_FROUND_TO_NEAREST_INT) /* F16C: nearest even */
 #define IBP_LOW(x, n, W) _bzhi_u64((x), (n)) /* bzhi keeps all bits for n >= 64 */
 /* Rows likely in memory take the cold prefetches from 128 bytes, as AVX-512's stepped
- * loops do (cold_rows), and every row prefetch covers the 16 bytes that load_fields,
- * load_packed, read_unit and read_bits may read past a row (16-byte loads from a
- * field's first byte, which lies at the row's end where a field has no bits): the
- * line past a row, which no prefetch brought, made the loads wait on memory. The
- * build for Zen 1 and 2 (IBP_V3_NO_PDEP) takes the same, unmeasured there. Both
- * against neither (--isa v3, 1 thread, B4096 x P20, benchmarks.ab, both orders and the
- * builds swapped, min; a Zen 4 EPYC): from memory (lookup-cold) 273k fp16 d64 rows
+ * loops do (cold_rows), and every row prefetch covers the bytes that the loads may
+ * read past a row: 16 for load_fields, load_packed, read_unit and read_bits (16-byte
+ * loads from a field's first byte, which lies at the row's end where a field has no
+ * bits), 17 for decode_word_lanes (the same loads one byte on): the line past a row,
+ * which no prefetch brought, made the loads wait on memory. The build for Zen 1 and 2
+ * (IBP_V3_NO_PDEP) takes the same, unmeasured there. With 16 bytes covered against
+ * none (--isa v3, 1 thread, B4096 x P20, benchmarks.ab, both orders and the builds
+ * swapped, min; a Zen 4 EPYC): from memory (lookup-cold) 273k fp16 d64 rows
  * 0.89-0.97x the time (uniform ids), 0.94-1.00x (Zipf), 506k fp32 d64 0.93-0.98x /
  * 0.83-0.89x, 273k bf16 d128 0.93-0.96x, 506k fp32 d128 1.00-1.04x (uniform); from L3
  * (`lookup`, a batch again) 0.96-1.04x (uniform), Zipf ids 1.00-1.03x (273k fp16 d64),
@@ -35,5 +36,5 @@
  * overread was covered, the cold prefetches took fp16 d64 rows 1.03-1.07x the time
  * from memory. */
 #define IBP_COLD_WHOLE_ROWS 1
-#define IBP_ROW_OVERREAD 16
+#define IBP_ROW_OVERREAD 17
 #include "ibp_rowcodec.inc"

@@ -138,20 +138,22 @@ def bits(*runs: tuple[int, int]) -> int:
     return sum(((1 << (b - a)) - 1) << a for a, b in runs)
 
 
-@pytest.mark.parametrize("case", ["fp16 pairs", "three runs and one", "a word all invariant", "columns of their own"])
+@pytest.mark.parametrize("case", ["fp16 pairs", "three runs and one", "four runs and none", "a word all invariant",
+                                  "columns of their own"])
 def test_w32_steps_decode_a_word_a_lane(case):
     """At W = 32 the x86-64-v3 decoders take a row's steps a word a 32-bit lane
     (decode_word_lanes in native/ibp_units_avx2.inc): each word's first bit from its
     nibble's and a byte of the step's plan, the deposit by the word's own segments.
     Even and odd columns have their own invariant bits and values: two runs a word
-    (float16 pairs), three runs and one (the most segments a plan holds), a word
-    whose every bit is invariant (fields of no bits); those plans are uniform (step
-    0's for every step). Columns of their own (five masks and values, a period that
+    (float16 pairs), three runs and one, four and none (five segments, the most a
+    plan holds), a word whose every bit is invariant (fields of no bits); those plans
+    are uniform (step 0's for every step). Columns of their own (five masks and values, a period that
     no step repeats) read each step's plan. 1% of words have an invariant bit
     flipped and do not participate. Rows of 130 words end in a unit past the steps.
     Every instruction set must decode the table bit for bit."""
     pattern = {"fp16 pairs": [bits((10, 14), (26, 30)), bits((10, 14), (26, 30))],
                "three runs and one": [bits((2, 3), (9, 12), (25, 31)), bits((28, 31))],
+               "four runs and none": [bits((1, 3), (8, 10), (17, 19), (26, 30)), 0],
                "a word all invariant": [bits((27, 31)), bits((0, 32))],
                "columns of their own": [bits((23, 31)), bits((20, 31)), bits((4, 9), (26, 30)), bits((0, 16)),
                                         bits((12, 24))]}[case]
@@ -162,7 +164,7 @@ def test_w32_steps_decode_a_word_a_lane(case):
     words = words & ~masks | values
     words ^= np.where(rng.random((900, 130)) < 0.01, masks & (0 - masks), 0).astype(np.uint64)  # lowest bit flipped
     w = torch.from_numpy(words.astype(np.uint32).view(np.int32))
-    t = ibp_embed.compress(w, word_bits=32)
+    t = ibp_embed.compress(w, word_bits=32, threshold=0.95)  # the planted bits, no bits of chance
     assert t.clusters == 1 and np.array_equal(np.asarray(t.masks)[0], masks)
     assert np.array_equal(np.asarray(t.bitvals)[0], values) and len(np.unique(t.row_lengths())) > 3
     ids = torch.from_numpy(rng.integers(0, 900, 400))
