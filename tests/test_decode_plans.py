@@ -147,10 +147,10 @@ def test_w32_steps_decode_a_word_a_lane(case):
     Even and odd columns have their own invariant bits and values: two runs a word
     (float16 pairs), three runs and one, four and none (five segments, the most a
     plan holds), a word whose every bit is invariant (fields of no bits); those plans
-    are uniform (step 0's for every step). Columns of their own (five masks and values, a period that
-    no step repeats) read each step's plan. 1% of words have an invariant bit
-    flipped and do not participate. Rows of 130 words end in a unit past the steps.
-    Every instruction set must decode the table bit for bit."""
+    are uniform (step 0's for every step). Columns of their own (five masks and
+    values, a period that no step repeats) read each step's plan. 1% of words have an
+    invariant bit flipped and do not participate. Rows of 130 words end in a unit past
+    the steps. Every instruction set must decode the table bit for bit."""
     pattern = {"fp16 pairs": [bits((10, 14), (26, 30)), bits((10, 14), (26, 30))],
                "three runs and one": [bits((2, 3), (9, 12), (25, 31)), bits((28, 31))],
                "four runs and none": [bits((1, 3), (8, 10), (17, 19), (26, 30)), 0],
