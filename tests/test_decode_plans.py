@@ -173,6 +173,45 @@ def test_w32_steps_decode_a_word_a_lane(case):
         assert_decodes(t, w[ids], ids)
 
 
+@pytest.mark.parametrize("out", [0.01, 0.6])
+@pytest.mark.parametrize("case", ["fp16", "fp32 halves", "four runs and none", "a word all invariant",
+                                  "columns of their own"])
+def test_w16_steps_decode_a_word_a_lane(case, out):
+    """At W = 16 the x86-64-v3 decoders take a row's steps a word a 16-bit lane
+    (decode_word16_lanes in native/ibp_units_avx2.inc): each word's 16 bits from its
+    byte by two multiplies, its first bit from a table by the header byte of its half
+    (uniform plans) or by its unit's nibble (each step's plan: columns of their own,
+    a period of five that no step repeats), the deposit by its own segments (up to
+    five: four runs and none; a word all invariant has a field of no bits). The masks
+    are given, not searched, so that 60% of words may not participate: their fields
+    are 16 bits, and the words at a half's end start up to 14 bytes past its first.
+    Rows of 134 words end in a unit and two words past the steps. Every instruction
+    set must decode the table bit for bit."""
+    from ibp_embed.codec import _Codebook, _encode_table
+
+    pattern = {"fp16": [bits((10, 15))],
+               "fp32 halves": [0, bits((7, 15))],
+               "four runs and none": [bits((1, 3), (5, 7), (9, 11), (13, 15)), 0, 0, 0],
+               "a word all invariant": [bits((12, 16)), bits((0, 16))],
+               "columns of their own": [bits((10, 15)), bits((8, 15)), bits((12, 16)), bits((0, 8)),
+                                        bits((4, 12))]}[case]
+    rng = np.random.default_rng(61)
+    n, m = 700, 134
+    words = rng.integers(0, 1 << 16, (n, m), dtype=np.uint64)
+    masks = np.array([pattern[c % len(pattern)] for c in range(m)], dtype=np.uint64)
+    values = rng.integers(0, 1 << 16, len(pattern), dtype=np.uint64)[np.arange(m) % len(pattern)] & masks
+    words = words & ~masks | values
+    words ^= np.where(rng.random((n, m)) < out, masks & (0 - masks), 0).astype(np.uint64)  # lowest bit flipped
+    w = torch.from_numpy(words.astype(np.uint16).view(np.int16))
+    rows = w.numpy().view(np.uint8)
+    t = _encode_table(rows, w.dtype, m, _Codebook(rows.shape[1], 16, masks[None], values[None]), False, False)
+    assert len(np.unique(t.row_lengths())) > 3
+    ids = torch.from_numpy(rng.integers(0, n, 400))
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
 def test_tables_of_more_clusters_than_planned_steps():
     """Tables of more than 16 clusters have no planned steps on the x86-64-v3 kernels
     (UNIT_STEPS_MAX_CLUSTERS): their rows go unit by unit, and no step's plan may be
