@@ -24,7 +24,8 @@
  * loops do (cold_rows), and every row prefetch covers the bytes that the loads may
  * read past a row: 16 for load_fields, load_packed, read_unit and read_bits (16-byte
  * loads from a field's first byte, which lies at the row's end where a field has no
- * bits), 17 for decode_word_lanes (the same loads one byte on): the line past a row,
+ * bits), 17 for decode_word_lanes and decode_word16_lanes (the same loads one byte
+ * on): the line past a row,
  * which no prefetch brought, made the loads wait on memory. The build for Zen 1 and 2
  * (IBP_V3_NO_PDEP) takes the same, unmeasured there. With 16 bytes covered against
  * none (--isa v3, 1 thread, B4096 x P20, benchmarks.ab, both orders and the builds
