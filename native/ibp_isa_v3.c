@@ -25,11 +25,10 @@
  * read past a row: 16 for load_fields, load_packed, read_unit and read_bits (16-byte
  * loads from a field's first byte, which lies at the row's end where a field has no
  * bits), 17 for decode_word_lanes and decode_word16_lanes (the same loads one byte
- * on): the line past a row,
- * which no prefetch brought, made the loads wait on memory. The build for Zen 1 and 2
- * (IBP_V3_NO_PDEP) takes the same, unmeasured there. With 16 bytes covered against
- * none (--isa v3, 1 thread, B4096 x P20, benchmarks.ab, both orders and the builds
- * swapped, min; a Zen 4 EPYC): from memory (lookup-cold) 273k fp16 d64 rows
+ * on): the line past a row, which no prefetch brought, made the loads wait on memory.
+ * The build for Zen 1 and 2 (IBP_V3_NO_PDEP) takes the same, unmeasured there. With
+ * 16 bytes covered against none (--isa v3, 1 thread, B4096 x P20, benchmarks.ab, both
+ * orders and the builds swapped, min; a Zen 4 EPYC): from memory (lookup-cold) 273k fp16 d64 rows
  * 0.89-0.97x the time (uniform ids), 0.94-1.00x (Zipf), 506k fp32 d64 0.93-0.98x /
  * 0.83-0.89x, 273k bf16 d128 0.93-0.96x, 506k fp32 d128 1.00-1.04x (uniform); from L3
  * (`lookup`, a batch again) 0.96-1.04x (uniform), Zipf ids 1.00-1.03x (273k fp16 d64),
