@@ -58,8 +58,7 @@ uint64_t ibp_l2_bytes(void);
  * prefetches differs from Intel's cores (ibp_pool.inc). */
 int ibp_cpu_amd(void);
 /* Whether every software prefetch fills L1, whatever its hint (AMD before Zen 4):
- * short rows then skip the prefetches into L1 of lines most likely in a cache
- * already (prefetch_into_l1, ibp_spans.inc). */
+ * the cold decode's two prefetch distances collapse to one (ibp_spans.inc). */
 int ibp_prefetch_fills_l1(void);
 /* The row kernels of the instruction set in use (ibp.c). */
 const ibp_kernels *ibp_active_kernels(void);
