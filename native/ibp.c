@@ -42,37 +42,8 @@ static int cpu_amd(void)
 #endif
 }
 
-/* An AMD (or Hygon) CPU's family and model from CPUID leaf 1; 0 on others. */
-static int amd_family_model(unsigned *family, unsigned *model)
-{
-#if defined(__x86_64__) && defined(__GNUC__)
-    unsigned a, b, c, d;
-    if (!cpu_amd() || !__get_cpuid(1, &a, &b, &c, &d))
-        return 0;
-    const unsigned base = (a >> 8) & 0xf;
-    *family = base == 0xf ? 0xf + ((a >> 20) & 0xff) : base;
-    *model = base == 0xf ? ((a >> 12) & 0xf0) | ((a >> 4) & 0xf) : (a >> 4) & 0xf;
-    return 1;
-#else
-    (void)family, (void)model;
-    return 0;
-#endif
-}
-
-/* Whether PREFETCHT1 and T2 fill L1 as PREFETCHT0 does: AMD's cores before Zen 4
- * (families 17h and 18h, and 19h's Zen 3 models 00h-0Fh and 20h-5Fh), where each
- * prefetch holds one of L1's miss buffers until its line arrives. Zen 4 was the
- * first to keep them in L2; Intel's cores do so too. */
-static int prefetch_fills_l1(void)
-{
-    unsigned family, model;
-    if (!amd_family_model(&family, &model))
-        return 0;
-    return family == 0x17 || family == 0x18 || (family == 0x19 && (model < 0x10 || (model >= 0x20 && model < 0x60)));
-}
-
 static uint64_t g_l2_bytes = (uint64_t)1 << 20;
-static int g_amd, g_prefetch_fills_l1;
+static int g_amd;
 
 /* Read when the library loads: a lazy read would race with concurrent callers. The
  * clamp guards against nonsense from virtual machines. */
@@ -84,12 +55,10 @@ __attribute__((constructor)) static void cache_init(void)
         g_l2_bytes = (uint64_t)l2;
 #endif
     g_amd = cpu_amd();
-    g_prefetch_fills_l1 = prefetch_fills_l1();
 }
 
 uint64_t ibp_l2_bytes(void) { return g_l2_bytes; }
 int ibp_cpu_amd(void) { return g_amd; }
-int ibp_prefetch_fills_l1(void) { return g_prefetch_fills_l1; }
 
 void ibp_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
 int ibp_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
@@ -99,8 +68,15 @@ int ibp_get_num_threads(void) { return ibp_threads(); }
  * Hygon relative, family 18h. Zen 3 (19h) and later do them in a few cycles. */
 static int slow_pdep(void)
 {
-    unsigned family, model;
-    return amd_family_model(&family, &model) && (family == 0x17 || family == 0x18);
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!cpu_amd() || !__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    const unsigned family = ((a >> 8) & 0xf) == 0xf ? 0xf + ((a >> 20) & 0xff) : (a >> 8) & 0xf;
+    return family == 0x17 || family == 0x18;
+#else
+    return 0;
+#endif
 }
 
 static int cpu_has(int isa)

@@ -57,9 +57,6 @@ uint64_t ibp_l2_bytes(void);
 /* Whether the CPU is AMD's (or Hygon's): how far pooled rows may lie without
  * prefetches differs from Intel's cores (ibp_pool.inc). */
 int ibp_cpu_amd(void);
-/* Whether every software prefetch fills L1, whatever its hint (AMD before Zen 4):
- * the cold decode's two prefetch distances collapse to one (ibp_spans.inc). */
-int ibp_prefetch_fills_l1(void);
 /* The row kernels of the instruction set in use (ibp.c). */
 const ibp_kernels *ibp_active_kernels(void);
 
