@@ -510,3 +510,67 @@ def test_more_clusters_keep_what_fewer_found(word_bits):
     w = magnitude_clusters()
     sizes = [ibp_embed.compress(w, word_bits=word_bits, clusters=k, allow_raw=False).nbytes for k in (1, 2, 4, 16)]
     assert sizes[3] <= sizes[2] <= sizes[1] < sizes[0]
+
+
+class _Book:
+    """A stand-in codebook for _pick_word_size: only its word size is read."""
+
+    def __init__(self, word_bits: int):
+        self.word_bits = word_bits
+
+
+@pytest.mark.parametrize("sizes, whole64, picked", [
+    ({16: 100.0, 32: 100.5, 64: 100.9}, 0.9, 64),  # the widest within 1% of the smallest
+    ({16: 100.0, 32: 100.5, 64: 101.1}, 0.9, 32),  # W = 64 past the slack
+    ({16: 100.0, 32: 100.5, 64: 100.9}, 0.4, 32),  # W = 64 mostly not whole: the next widest
+    ({16: 100.0, 32: 103.0, 64: 100.9}, 0.4, 16),
+    ({16: 103.0, 32: 100.5, 64: 100.0}, 0.1, 64),  # W = 64 the smallest: kept whatever its rows
+    ({16: 100.0, 32: 100.5, 64: 100.9}, 0.5, 64),  # half its rows whole is enough
+    ({64: 100.0}, 0.0, 64),  # word_bits=64 asked for
+])
+def test_pick_word_size(monkeypatch, sizes, whole64, picked):
+    from ibp_embed import codec
+
+    def estimate(book, sample, n_rows):
+        return sizes[book.word_bits], whole64 if book.word_bits == 64 else 0.0
+
+    monkeypatch.setattr(codec, "_estimate_nbytes", estimate)
+    assert codec._pick_word_size([_Book(w) for w in sizes], None, 0).word_bits == picked
+
+
+@pytest.mark.parametrize("dim, word_bits", [(64, 64), (63, 64), (64, 32), (21, 16)])
+def test_whole_row_share_matches_the_reference(dim, word_bits):
+    """_estimate_nbytes's share of rows stored whole or raw: rows whose every word keeps
+    its cluster's invariant bits (the reference's participation bits all set), or whose
+    encoding would not be shorter than the row."""
+    from ibp_embed import codec
+
+    w = structured(700, dim, torch.float16, seed=dim)
+    nan = torch.tensor(float("nan"), dtype=torch.float16)
+    w[::7, : dim // 4] = nan  # rows with some words out
+    w[3::7] = nan  # rows stored raw
+    rows = np.ascontiguousarray(to_bytes(w))
+    book = codec._single_codebook(rows, word_bits, codec.THRESHOLDS)
+    masks, bitvals = book.masks, book.bitvals
+
+    def fast(r):
+        return (all(int(x) & int(m) == int(v) for x, m, v in zip(ref.row_words(r, word_bits), masks[0], bitvals[0]))
+                or len(ref.encode_row(r, word_bits, masks, bitvals, 0)) >= len(r))
+
+    share = np.mean([fast(r.tobytes()) for r in rows])
+    assert any(len(ref.encode_row(r.tobytes(), word_bits, masks, bitvals, 0)) >= len(r) for r in rows[3::7])
+    assert 0 < share < 1
+    assert codec._estimate_nbytes(book, rows, len(rows))[1] == pytest.approx(share)
+
+
+def test_w64_gives_way_on_rows_not_whole():
+    """The quick set's 22k-row fp16 d64 table: at W = 64 under 1% of its rows are whole,
+    and W = 32 encodes it smaller (by 0.7%, within the slack): compress takes W = 32."""
+    from ibp_embed import codec, datasets
+
+    w = datasets.make_table(22026, 64, torch.float16, init="torchrec", seed=3)
+    rows = np.ascontiguousarray(to_bytes(w))
+    est = {b: codec._estimate_nbytes(codec._single_codebook(rows, b, codec.THRESHOLDS), rows, len(rows))
+           for b in (32, 64)}
+    assert est[64][1] < codec.WIDE_WORD_MIN_FULL and est[32][0] < est[64][0] <= est[32][0] * 1.01
+    assert ibp_embed.compress(w).word_bits == 32
