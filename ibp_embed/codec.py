@@ -51,8 +51,9 @@ def compress(weights, *, word_bits: int | None = None, clusters: int = 1,
     """Compress a 2-D tensor or array (any 1/2/4/8-byte dtype) into a CompressedTable.
 
     word_bits: 16, 32 or 64; None picks the smallest encoding, preferring a wider
-        word (faster to decode) when it costs at most 1% more, but W = 64 only where
-        at least half the rows keep every word's invariant bits.
+        word (faster to decode) when it costs at most 1% more; W = 64 gives way to a
+        narrower word that encodes no larger when under half its rows are stored whole
+        (every word keeping its invariant bits) or raw.
     clusters: the most masks to use (1..256); fewer are kept when that is smaller.
     threshold: fix the invariance threshold (0.5 < t <= 1) instead of sweeping.
     sample_rows: rows sampled to build masks on large tables; every row is encoded exactly.
@@ -165,15 +166,21 @@ def _best_masks(rows: np.ndarray, sel: np.ndarray | None, word_bits: int,
     return cand_m[pick, cols], cand_v[pick, cols]
 
 
-def _row_signature(rows: np.ndarray, word_bits: int) -> np.ndarray:
-    """A per-row magnitude proxy used to seed clusters: the mean of the 8 bits below
-    each word's top bit (a float's exponent, an integer's high bits)."""
+def _as_words(rows: np.ndarray, word_bits: int) -> np.ndarray:
+    """The rows' M words each (little-endian, zero-padded past the row, as the format's
+    "Table and words")."""
     b = word_bits // 8
     padded = rows
     if rows.shape[1] % b:
         padded = np.zeros((rows.shape[0], _n_words(rows.shape[1], word_bits) * b), np.uint8)
         padded[:, : rows.shape[1]] = rows
-    words = padded.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[b])
+    return padded.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[b])
+
+
+def _row_signature(rows: np.ndarray, word_bits: int) -> np.ndarray:
+    """A per-row magnitude proxy used to seed clusters: the mean of the 8 bits below
+    each word's top bit (a float's exponent, an integer's high bits)."""
+    words = _as_words(rows, word_bits)
     return ((words >> (word_bits - 9)) & 0xFF).astype(np.float64).mean(axis=1)
 
 
@@ -326,32 +333,36 @@ def _refine(rows: np.ndarray, book: _Codebook, thresholds) -> _Codebook:
 def _estimate_nbytes(book: _Codebook, sample: np.ndarray, n_rows: int) -> tuple[float, float]:
     """Encoded size of the whole table, extrapolated from the sample (exact when the
     sample is the table), with its masks, offsets index and tail pad; and the share of
-    the sample's rows stored whole (every word's invariant bits left out) or raw (a
-    copy to decode), as opposed to rows with some word stored raw."""
+    the sample's rows stored whole (every word keeps its invariant bits) or raw (a copy
+    to decode), as opposed to rows with some word stored raw. A single-mask book."""
+    assert book.clusters == 1
     lengths = book.assign(sample)[1]
     payload = lengths.sum(dtype=np.uint64) * (n_rows / max(sample.shape[0], 1))
-    m = book.masks.shape[1]  # one cluster: no cluster byte
-    whole = (m + 7) // 8 + (int(book.vbits.sum()) + 7) // 8
-    fast = (lengths == whole) | (lengths == book.row_bytes)
+    words = _as_words(sample, book.word_bits)
+    # by the words, not the lengths: a word out may fit in the last byte's spare bits
+    whole = ((words & book.masks[0].astype(words.dtype)) == book.bitvals[0].astype(words.dtype)).all(axis=1)
+    fast = whole | (lengths == book.row_bytes)
     return book.table_nbytes(float(payload), n_rows), float(np.mean(fast)) if lengths.size else 1.0
 
 
 def _pick_word_size(books: list[_Codebook], sample: np.ndarray, n_rows: int) -> _Codebook:
-    """The single-mask codebook to build on: the widest word within WORD_SIZE_SLACK of
-    the smallest encoding, as wider words decode faster (fewer steps a row). But W = 64
-    is fast only on rows stored whole (or raw): a row with a word stored raw takes the
-    general step for each such word (the x86-64-v3 decoders take every W = 16 and 32
-    word a lane of its own, whole or not). So W = 64 gives way to a smaller narrower
-    word when under WIDE_WORD_MIN_FULL of its rows are whole: fp16 d64 rows of the quick
-    set's 22k-row table (under 1% whole at W = 64, W = 32 0.7% smaller) decoded in
-    35.8 ns a row at W = 32 against 48.6 at W = 64, and B4096 x P20 lookups took
-    0.81-0.85x the time (x86-64-v3 kernels, Zen 3)."""
+    """The single-mask codebook to build on: the widest word within WORD_SIZE_SLACK of the
+    smallest encoding, as wider words decode faster (fewer steps a row). But W = 64
+    is fast only on rows stored whole (or raw): a row with a word stored raw takes
+    the general step for each such word (the x86-64-v3 decoders take every W = 16
+    and 32 word a lane of its own, whole or not). So where under WIDE_WORD_MIN_FULL
+    of its rows are whole or raw and a narrower word encodes no larger, W = 64 gives
+    way to the widest narrower word within the slack (the share is the single
+    mask's, before any clusters are fitted): fp16 d64 rows of the quick set's
+    22k-row table (under 1% whole at W = 64, W = 32 0.7% smaller) decoded in 35.8 ns
+    a row at W = 32 against 48.6 at W = 64, and B4096 x P20 lookups took 0.81-0.85x
+    the time (x86-64-v3 kernels, Zen 3)."""
     sized = [(*_estimate_nbytes(b, sample, n_rows), b) for b in books]
     smallest = min(size for size, _, _ in sized)
     near = [(size, whole, b) for size, whole, b in sized if size <= smallest * (1 + WORD_SIZE_SLACK)]
     near = [(size, whole, b) for size, whole, b in near
             if not (b.word_bits == 64 and whole < WIDE_WORD_MIN_FULL
-                    and any(s < size for s, _, other in near if other.word_bits < 64))]
+                    and any(s <= size for s, _, other in near if other.word_bits < 64))]
     return max((b for _, _, b in near), key=lambda b: b.word_bits)
 
 

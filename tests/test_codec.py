@@ -527,6 +527,8 @@ class _Book:
     ({16: 103.0, 32: 100.5, 64: 100.0}, 0.1, 64),  # W = 64 the smallest: kept whatever its rows
     ({16: 100.0, 32: 100.5, 64: 100.9}, 0.5, 64),  # half its rows whole is enough
     ({64: 100.0}, 0.0, 64),  # word_bits=64 asked for
+    ({16: 101.0, 32: 100.0, 64: 100.0}, 0.4, 32),  # a tie: the narrower word
+    ({16: 100.0, 32: 100.95, 64: 100.9}, 0.4, 32),  # the widest narrower word within the slack
 ])
 def test_pick_word_size(monkeypatch, sizes, whole64, picked):
     from ibp_embed import codec
@@ -574,3 +576,17 @@ def test_w64_gives_way_on_rows_not_whole():
            for b in (32, 64)}
     assert est[64][1] < codec.WIDE_WORD_MIN_FULL and est[32][0] < est[64][0] <= est[32][0] * 1.01
     assert ibp_embed.compress(w).word_bits == 32
+
+
+def test_whole_row_share_counts_words_not_lengths():
+    """A row with a word out can be as long as a whole one (the bits its mask keeps fit
+    in the spare bits of the last byte): the share counts participation, not lengths."""
+    from ibp_embed import codec
+
+    rows = np.random.default_rng(0).integers(0, 256, (300, 16), dtype=np.uint8)
+    rows[:, :2] = 7  # word 0's low 16 bits invariant
+    rows[:, 15] &= 0x7F
+    rows[::3, 15] |= 0x80  # word 1's top bit, invariant 0, set in a third of the rows
+    book = codec._Codebook(16, 64, np.array([[0xFFFF, 1 << 63]], np.uint64), np.array([[0x0707, 0]], np.uint64))
+    assert len(set(book.assign(rows)[1].tolist())) == 1  # 111 bits whole, 112 with word 1 out: 14 bytes each
+    assert codec._estimate_nbytes(book, rows, len(rows))[1] == pytest.approx(2 / 3)
