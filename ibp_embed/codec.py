@@ -32,7 +32,7 @@ from .table import CompressedTable
 THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
 WORD_BITS = (16, 32, 64)
 WORD_SIZE_SLACK = 0.01  # accept up to 1% more bytes for a wider, faster word
-WIDE_WORD_MIN_FULL = 0.5  # ... but not W = 64 with fewer of its rows whole (see _pick_word_size)
+WIDE_WORD_MIN_WHOLE = 0.5  # ... not W = 64 with fewer rows whole or raw (_pick_word_size)
 LLOYD_ROUNDS = 8  # refit-and-reassign rounds (they stop once no gain)
 SPLIT_ROUNDS = 8  # 2-means rounds when splitting one cluster (they stop once no gain)
 MIN_GAIN = 1e-4  # a split or refit round must shrink its rows by this fraction
@@ -350,7 +350,7 @@ def _pick_word_size(books: list[_Codebook], sample: np.ndarray, n_rows: int) -> 
     smallest encoding, as wider words decode faster (fewer steps a row). But W = 64
     is fast only on rows stored whole (or raw): a row with a word stored raw takes
     the general step for each such word (the x86-64-v3 decoders take every W = 16
-    and 32 word a lane of its own, whole or not). So where under WIDE_WORD_MIN_FULL
+    and 32 word a lane of its own, whole or not). So where under WIDE_WORD_MIN_WHOLE
     of its rows are whole or raw and a narrower word encodes no larger, W = 64 gives
     way to the widest narrower word within the slack (the share is the single
     mask's, before any clusters are fitted): fp16 d64 rows of the quick set's
@@ -361,7 +361,7 @@ def _pick_word_size(books: list[_Codebook], sample: np.ndarray, n_rows: int) -> 
     smallest = min(size for size, _, _ in sized)
     near = [(size, whole, b) for size, whole, b in sized if size <= smallest * (1 + WORD_SIZE_SLACK)]
     near = [(size, whole, b) for size, whole, b in near
-            if not (b.word_bits == 64 and whole < WIDE_WORD_MIN_FULL
+            if not (b.word_bits == 64 and whole < WIDE_WORD_MIN_WHOLE
                     and any(s <= size for s, _, other in near if other.word_bits < 64))]
     return max((b for _, _, b in near), key=lambda b: b.word_bits)
 

@@ -574,7 +574,7 @@ def test_w64_gives_way_on_rows_not_whole():
     rows = np.ascontiguousarray(to_bytes(w))
     est = {b: codec._estimate_nbytes(codec._single_codebook(rows, b, codec.THRESHOLDS), rows, len(rows))
            for b in (32, 64)}
-    assert est[64][1] < codec.WIDE_WORD_MIN_FULL and est[32][0] < est[64][0] <= est[32][0] * 1.01
+    assert est[64][1] < codec.WIDE_WORD_MIN_WHOLE and est[32][0] < est[64][0] <= est[32][0] * 1.01
     assert ibp_embed.compress(w).word_bits == 32
 
 
