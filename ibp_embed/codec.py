@@ -33,6 +33,7 @@ THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
 WORD_BITS = (16, 32, 64)
 WORD_SIZE_SLACK = 0.01  # accept up to 1% more bytes for a wider, faster word
 WIDE_WORD_MIN_WHOLE = 0.5  # ... not W = 64 with fewer rows whole or raw (_pick_word_size)
+WHOLE_SHARE_CHUNK_BYTES = 1 << 26  # sample rows compared with the masks at a time
 LLOYD_ROUNDS = 8  # refit-and-reassign rounds (they stop once no gain)
 SPLIT_ROUNDS = 8  # 2-means rounds when splitting one cluster (they stop once no gain)
 MIN_GAIN = 1e-4  # a split or refit round must shrink its rows by this fraction
@@ -330,40 +331,55 @@ def _refine(rows: np.ndarray, book: _Codebook, thresholds) -> _Codebook:
     return book
 
 
-def _estimate_nbytes(book: _Codebook, sample: np.ndarray, n_rows: int) -> tuple[float, float]:
-    """Encoded size of the whole table, extrapolated from the sample (exact when the
-    sample is the table), with its masks, offsets index and tail pad; and the share of
-    the sample's rows stored whole (every word keeps its invariant bits) or raw (a copy
-    to decode), as opposed to rows with some word stored raw. A single-mask book."""
+def _estimate_nbytes(book: _Codebook, lengths: np.ndarray, n_rows: int) -> float:
+    """Encoded size of the whole table, extrapolated from the stored lengths of a
+    sample of its rows (book.assign; exact when the sample is the table), with its
+    masks, offsets index and tail pad."""
+    payload = lengths.sum(dtype=np.uint64) * (n_rows / max(lengths.size, 1))
+    return book.table_nbytes(float(payload), n_rows)
+
+
+def _whole_share(book: _Codebook, sample: np.ndarray, lengths: np.ndarray) -> float:
+    """The share of the sample's rows that a single-mask book stores whole (every word
+    keeps its invariant bits) or raw (a copy to decode), as opposed to rows with some
+    word stored raw; lengths: their stored lengths (book.assign). Counted by the words,
+    not the lengths (a word out may fit in the last byte's spare bits), a chunk of
+    rows at a time (the sample may be hundreds of MB)."""
     assert book.clusters == 1
-    lengths = book.assign(sample)[1]
-    payload = lengths.sum(dtype=np.uint64) * (n_rows / max(sample.shape[0], 1))
-    words = _as_words(sample, book.word_bits)
-    # by the words, not the lengths: a word out may fit in the last byte's spare bits
-    whole = ((words & book.masks[0].astype(words.dtype)) == book.bitvals[0].astype(words.dtype)).all(axis=1)
-    fast = whole | (lengths == book.row_bytes)
-    return book.table_nbytes(float(payload), n_rows), float(np.mean(fast)) if lengths.size else 1.0
+    if not lengths.size:
+        return 1.0
+    mask, bitval = book.masks[0], book.bitvals[0]
+    step = max(1, WHOLE_SHARE_CHUNK_BYTES // sample.shape[1])
+    fast = 0
+    for lo in range(0, sample.shape[0], step):
+        words = _as_words(sample[lo:lo + step], book.word_bits)
+        whole = ((words & mask.astype(words.dtype)) == bitval.astype(words.dtype)).all(axis=1)
+        fast += int(np.count_nonzero(whole | (lengths[lo:lo + step] == book.row_bytes)))
+    return fast / lengths.size
 
 
 def _pick_word_size(books: list[_Codebook], sample: np.ndarray, n_rows: int) -> _Codebook:
-    """The single-mask codebook to build on: the widest word within WORD_SIZE_SLACK of the
-    smallest encoding, as wider words decode faster (fewer steps a row). But W = 64
-    is fast only on rows stored whole (or raw): a row with a word stored raw takes
-    the general step for each such word (the x86-64-v3 decoders take every W = 16
-    and 32 word a lane of its own, whole or not). So where under WIDE_WORD_MIN_WHOLE
-    of its rows are whole or raw and a narrower word encodes no larger, W = 64 gives
-    way to the widest narrower word within the slack (the share is the single
-    mask's, before any clusters are fitted): fp16 d64 rows of the quick set's
+    """The single-mask codebook to build on: the widest word within WORD_SIZE_SLACK of
+    the smallest encoding, as wider words decode faster (fewer steps a row). But W = 64
+    is fast only on rows stored whole (or raw): a row with a word stored raw takes the
+    general step for each such word (the x86-64-v3 decoders take every W = 16 and 32
+    word a lane of its own, whole or not). So where a narrower word within the slack
+    encodes no larger and under WIDE_WORD_MIN_WHOLE of W = 64's rows are whole or raw
+    (_whole_share, the single mask's, before any clusters are fitted), W = 64 gives way
+    to the widest narrower word within the slack: fp16 d64 rows of the quick set's
     22k-row table (under 1% whole at W = 64, W = 32 0.7% smaller) decoded in 35.8 ns
     a row at W = 32 against 48.6 at W = 64, and B4096 x P20 lookups took 0.81-0.85x
     the time (x86-64-v3 kernels, Zen 3)."""
-    sized = [(*_estimate_nbytes(b, sample, n_rows), b) for b in books]
+    sized = [(_estimate_nbytes(b, lengths, n_rows), b, lengths)
+             for b, lengths in ((b, b.assign(sample)[1]) for b in books)]
     smallest = min(size for size, _, _ in sized)
-    near = [(size, whole, b) for size, whole, b in sized if size <= smallest * (1 + WORD_SIZE_SLACK)]
-    near = [(size, whole, b) for size, whole, b in near
-            if not (b.word_bits == 64 and whole < WIDE_WORD_MIN_WHOLE
-                    and any(s <= size for s, _, other in near if other.word_bits < 64))]
-    return max((b for _, _, b in near), key=lambda b: b.word_bits)
+    near = [(size, b, lengths) for size, b, lengths in sized if size <= smallest * (1 + WORD_SIZE_SLACK)]
+
+    def gives_way(size, b, lengths) -> bool:
+        return (b.word_bits == 64 and any(s <= size for s, other, _ in near if other.word_bits < 64)
+                and _whole_share(b, sample, lengths) < WIDE_WORD_MIN_WHOLE)
+
+    return max((b for size, b, lengths in near if not gives_way(size, b, lengths)), key=lambda b: b.word_bits)
 
 
 def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codebook,

@@ -513,10 +513,13 @@ def test_more_clusters_keep_what_fewer_found(word_bits):
 
 
 class _Book:
-    """A stand-in codebook for _pick_word_size: only its word size is read."""
+    """A stand-in codebook for _pick_word_size: its word size and its rows' lengths."""
 
     def __init__(self, word_bits: int):
         self.word_bits = word_bits
+
+    def assign(self, sample):
+        return None, np.zeros(0, np.uint32)
 
 
 @pytest.mark.parametrize("sizes, whole64, picked", [
@@ -533,18 +536,20 @@ class _Book:
 def test_pick_word_size(monkeypatch, sizes, whole64, picked):
     from ibp_embed import codec
 
-    def estimate(book, sample, n_rows):
-        return sizes[book.word_bits], whole64 if book.word_bits == 64 else 0.0
+    def share(book, sample, lengths):
+        assert book.word_bits == 64  # the only share read
+        return whole64
 
-    monkeypatch.setattr(codec, "_estimate_nbytes", estimate)
+    monkeypatch.setattr(codec, "_estimate_nbytes", lambda book, lengths, n_rows: sizes[book.word_bits])
+    monkeypatch.setattr(codec, "_whole_share", share)
     assert codec._pick_word_size([_Book(w) for w in sizes], None, 0).word_bits == picked
 
 
 @pytest.mark.parametrize("dim, word_bits", [(64, 64), (63, 64), (64, 32), (21, 16)])
-def test_whole_row_share_matches_the_reference(dim, word_bits):
-    """_estimate_nbytes's share of rows stored whole or raw: rows whose every word keeps
-    its cluster's invariant bits (the reference's participation bits all set), or whose
-    encoding would not be shorter than the row."""
+def test_whole_row_share_matches_the_reference(monkeypatch, dim, word_bits):
+    """_whole_share: rows whose every word keeps its cluster's invariant bits (the
+    reference's participation bits all set), or whose encoding would not be shorter
+    than the row; counted whole or in chunks of rows (here 1 and 7 rows)."""
     from ibp_embed import codec
 
     w = structured(700, dim, torch.float16, seed=dim)
@@ -562,7 +567,11 @@ def test_whole_row_share_matches_the_reference(dim, word_bits):
     share = np.mean([fast(r.tobytes()) for r in rows])
     assert any(len(ref.encode_row(r.tobytes(), word_bits, masks, bitvals, 0)) >= len(r) for r in rows[3::7])
     assert 0 < share < 1
-    assert codec._estimate_nbytes(book, rows, len(rows))[1] == pytest.approx(share)
+    lengths = book.assign(rows)[1]
+    assert codec._whole_share(book, rows, lengths) == pytest.approx(share)
+    for chunk_rows in (1, 7):
+        monkeypatch.setattr(codec, "WHOLE_SHARE_CHUNK_BYTES", chunk_rows * rows.shape[1])
+        assert codec._whole_share(book, rows, lengths) == pytest.approx(share)
 
 
 def test_w64_gives_way_on_rows_not_whole():
@@ -572,9 +581,11 @@ def test_w64_gives_way_on_rows_not_whole():
 
     w = datasets.make_table(22026, 64, torch.float16, init="torchrec", seed=3)
     rows = np.ascontiguousarray(to_bytes(w))
-    est = {b: codec._estimate_nbytes(codec._single_codebook(rows, b, codec.THRESHOLDS), rows, len(rows))
-           for b in (32, 64)}
-    assert est[64][1] < codec.WIDE_WORD_MIN_WHOLE and est[32][0] < est[64][0] <= est[32][0] * 1.01
+    books = {b: codec._single_codebook(rows, b, codec.THRESHOLDS) for b in (32, 64)}
+    lengths = {b: book.assign(rows)[1] for b, book in books.items()}
+    size = {b: codec._estimate_nbytes(books[b], lengths[b], len(rows)) for b in books}
+    assert codec._whole_share(books[64], rows, lengths[64]) < codec.WIDE_WORD_MIN_WHOLE
+    assert size[32] < size[64] <= size[32] * 1.01
     assert ibp_embed.compress(w).word_bits == 32
 
 
@@ -589,4 +600,4 @@ def test_whole_row_share_counts_words_not_lengths():
     rows[::3, 15] |= 0x80  # word 1's top bit, invariant 0, set in a third of the rows
     book = codec._Codebook(16, 64, np.array([[0xFFFF, 1 << 63]], np.uint64), np.array([[0x0707, 0]], np.uint64))
     assert len(set(book.assign(rows)[1].tolist())) == 1  # 111 bits whole, 112 with word 1 out: 14 bytes each
-    assert codec._estimate_nbytes(book, rows, len(rows))[1] == pytest.approx(2 / 3)
+    assert codec._whole_share(book, rows, book.assign(rows)[1]) == pytest.approx(2 / 3)
