@@ -66,7 +66,8 @@ def table_from_tensors(tensors: dict, meta: List[int], dtype: torch.dtype) -> Co
 
 
 # ibp_table structs are rebuilt only when a table's tensors change: a cache keyed on
-# everything the struct holds (pointers and sizes), so a hit is exactly a rebuild.
+# everything the struct holds (pointers and sizes), so a hit is exactly a rebuild, as
+# the tensors are never written in place (their vbits and fixed_len are read from them).
 _STRUCTS: "OrderedDict[tuple, object]" = OrderedDict()
 _STRUCTS_MAX = 4096
 
@@ -91,6 +92,7 @@ def _c_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int):
     c.rel = ffi.cast("const void *", rel.data_ptr())
     c.payload = ffi.cast("const uint8_t *", payload.data_ptr())
     c.payload_bytes = payload_bytes
+    c.fixed_len = lib.ibp_fixed_row_bytes(c)  # rows all one length: read with no index
     _STRUCTS[key] = (c, vbits)  # vbits must live as long as the struct
     if len(_STRUCTS) > _STRUCTS_MAX:
         _STRUCTS.popitem(last=False)

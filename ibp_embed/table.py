@@ -188,6 +188,7 @@ class CompressedTable(TableReads):
         cb.rel = ffi.NULL if raw else _native.ptr(rel, "const void *")
         cb.payload = _native.ptr(payload, "const uint8_t *") if payload.size else ffi.NULL
         cb.payload_bytes = self._payload_bytes
+        cb.fixed_len = lib.ibp_fixed_row_bytes(cb)  # rows all one length: read with no index
         self._c = cb
         if validate:
             bad = ffi.new("uint64_t *")

@@ -399,7 +399,9 @@ int ibp_validate(const ibp_table *t, uint64_t *bad_row)
     if (t->payload_bytes && !t->payload)
         return IBP_E_ARG;
     if (K == 0) /* raw: the rows back to back, nothing else */
-        return t->n_rows <= UINT64_MAX / R && t->payload_bytes == t->n_rows * R ? IBP_OK : IBP_E_CORRUPT;
+        return t->fixed_len                                                 ? IBP_E_ARG
+               : t->n_rows <= UINT64_MAX / R && t->payload_bytes == t->n_rows * R ? IBP_OK
+                                                                                  : IBP_E_CORRUPT;
     if (!t->block_base || !t->rel)
         return IBP_E_ARG;
     if (t->rel_bytes != ibp_rel_bytes(t->cb.row_bytes))
@@ -415,13 +417,28 @@ int ibp_validate(const ibp_table *t, uint64_t *bad_row)
         uint64_t start = prev, len = next - prev;
         int bad = next < prev;
         prev = next;
-        if (bad || len > R || (len < R && (len < hdr || (K > 1 && t->payload[start] >= K)))) {
+        if (bad || len > R || (len < R && (len < hdr || (K > 1 && t->payload[start] >= K))) ||
+            (t->fixed_len && len != t->fixed_len)) { /* the rows are read at i * fixed_len */
             if (bad_row)
                 *bad_row = i;
             return IBP_E_CORRUPT;
         }
     }
     return IBP_OK;
+}
+
+uint32_t ibp_fixed_row_bytes(const ibp_table *t)
+{
+    if (!t || t->block_len || t->cb.n_clusters == 0 || !t->n_rows || !t->block_base || !t->rel ||
+        ibp_row_start(t, 0) != 0)
+        return 0;
+    const uint64_t L = ibp_row_start(t, 1);
+    if (L == 0 || L > UINT32_MAX || t->n_rows > UINT64_MAX / L)
+        return 0;
+    for (uint64_t i = 2, at = 2 * L; i <= t->n_rows; i++, at += L)
+        if (ibp_row_start(t, i) != at)
+            return 0;
+    return (uint32_t)L;
 }
 
 int ibp_decode(const ibp_table *t, const int64_t *idx, uint64_t n_idx, uint8_t *out)

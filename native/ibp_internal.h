@@ -76,10 +76,20 @@ static inline uint64_t ibp_row_start(const ibp_table *t, uint64_t i)
     return t->block_base[i / IBP_BLOCK_ROWS] + rel;
 }
 
-/* Where row i is stored and how long it is, in either layout. */
+/* Whether rows are found through the index: not for a raw table, nor where every
+ * row has one length (fixed_len). */
+static inline int ibp_reads_index(const ibp_table *t)
+{
+    return !ibp_raw_layout(t) && !t->fixed_len;
+}
+
+/* Where row i is stored and how long it is, in any layout. */
 static inline void ibp_row_span(const ibp_table *t, uint64_t i, uint64_t *start, uint64_t *len)
 {
-    if (t->block_len) { /* a store's view (any K) */
+    if (t->fixed_len) {
+        *start = i * t->fixed_len;
+        *len = t->fixed_len;
+    } else if (t->block_len) { /* a store's view (any K) */
         const uint16_t *rel = (const uint16_t *)t->rel;
         uint64_t b = i >> t->block_shift, next = i + 1;
         uint64_t end = (next >> t->block_shift) != b || next == t->n_rows ? t->block_len[b] : rel[next];
@@ -115,7 +125,10 @@ static inline __attribute__((always_inline)) void ibp_row_spans_rel(const ibp_ta
  * 0.90-0.95x the time, lookups into 22k rows 0.90-0.97x; fp32 d128 within noise. */
 static inline void ibp_row_spans(const ibp_table *t, const int64_t *ids, uint64_t n, uint64_t *start, uint64_t *len)
 {
-    if (t->block_len || t->cb.n_clusters == 0)
+    if (t->fixed_len) {
+        const uint64_t L = t->fixed_len;
+        for (uint64_t r = 0; r < n; r++) start[r] = (uint64_t)ids[r] * L, len[r] = L;
+    } else if (t->block_len || t->cb.n_clusters == 0)
         for (uint64_t r = 0; r < n; r++) ibp_row_span(t, (uint64_t)ids[r], &start[r], &len[r]);
     else if (t->rel_bytes == 2)
         ibp_row_spans_rel(t, 0, ids, n, start, len);
