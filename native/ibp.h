@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 2
-#define IBP_ABI_VERSION 7
+#define IBP_ABI_VERSION 8
 
 /* Return codes. */
 #define IBP_OK 0

@@ -1,4 +1,5 @@
-"""The AVX-512 decoders' planned paths, each against every instruction set, bit for bit:
+"""The decoders' planned paths (AVX-512's, and AVX2's full rows), each against every
+instruction set, bit for bit:
 fields placed from a table's plan, direct steps, runs of full rows (decode_full_rows,
 which hands raw rows back to the general decoder) and of packed rows
 (decode_packed_rows, which copies them), and the corrupt rows both hand back. Rows are
@@ -325,6 +326,29 @@ def test_full_row_fast_path_reads_the_header():
     lengths = t.row_lengths()
     assert t.clusters == 1 and not t.is_raw and len(np.unique(lengths)) == 1  # same length, either kind
     ids = torch.randint(0, 600, (300,), generator=g)
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_full_rows_are_told_from_raw_rows_by_their_length(word_bits):
+    """The AVX2 decoders too take a row whose every word participates straight to its
+    steps (decode_full_row_steps), recognised by its length and its header. A raw row
+    (stored as it is) whose first bytes, a header's place, are all ones must still come
+    out as stored: fp16 d64 rows of one exponent, every fifth hundred rows random bits
+    that start with 0xff bytes. Every instruction set must decode them bit for bit."""
+    g = torch.Generator().manual_seed(67)
+    n = 2000
+    w = (1 + torch.rand(n, 64, generator=g)).half()
+    raw_rows = torch.arange(n) % 500 == 3
+    b = w.view(torch.uint8)
+    b[raw_rows] = torch.randint(0, 256, b[raw_rows].shape, generator=g, dtype=torch.uint8)
+    b[raw_rows, :8] = 0xFF
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    lengths = t.row_lengths()
+    assert t.clusters == 1 and np.all(lengths[raw_rows.numpy()] == 128) and np.all(lengths[~raw_rows.numpy()] < 128)
+    ids = torch.cat([torch.arange(n), torch.nonzero(raw_rows).flatten().repeat(3)])
     for _ in every_isa():
         assert_decodes(t, w)
         assert_decodes(t, w[ids], ids)
