@@ -20,7 +20,7 @@ NVCC := $(shell command -v nvcc 2>/dev/null)
 # fbgemm must match torch 2.13.0 exactly (GUIDE section 3): the CPU build unless a GPU driver is present.
 FBGEMM := $(if $(shell command -v nvidia-smi 2>/dev/null),fbgemm-gpu==1.8.0,fbgemm-gpu-cpu==1.8.0)
 
-HEADERS := $(wildcard native/*.h) native/ibp_rowcodec.inc native/ibp_spans.inc native/ibp_lookup.inc native/ibp_dedup.inc native/ibp_pool.inc native/ibp_optim.inc native/ibp_avx512_plan.inc native/ibp_avx512_runs.inc native/ibp_avx512_fields.inc native/ibp_group_decode.inc native/ibp_units_avx2.inc
+HEADERS := $(wildcard native/*.h) native/ibp_rowcodec.inc native/ibp_spans.inc native/ibp_prefetch.inc native/ibp_lookup.inc native/ibp_dedup.inc native/ibp_pool.inc native/ibp_optim.inc native/ibp_avx512_plan.inc native/ibp_avx512_runs.inc native/ibp_avx512_fields.inc native/ibp_group_decode.inc native/ibp_units_avx2.inc
 
 .PHONY: all lib cuda venv demo test bench sanitize clean
 all: lib cuda venv

@@ -108,3 +108,20 @@ def test_a_fixed_length_the_index_does_not_bear_out_is_refused():
     assert raw.is_raw and raw._c.fixed_len == 0
     raw._c.fixed_len = 16  # a raw table has no index to agree with
     assert lib.ibp_validate(raw._c, bad) == lib.IBP_E_ARG
+
+
+def test_a_corrupt_header_among_fixed_length_rows_is_reported():
+    """Rows of one length and one uniform plan are decoded in a run of their own
+    (full_rows_loop on the AVX2 kernels), which must hand a row whose header says a
+    word does not participate (a flipped bit: same length, so the index cannot tell)
+    back to the general decoder, which reports it; every other row still decodes."""
+    w = _one_exponent(400, 64, seed=6)
+    t = ibp_embed.compress(w, word_bits=64)
+    assert t._c.fixed_len == t.row_lengths()[0]
+    bad = 200
+    t._payload[bad * t._c.fixed_len] ^= 1 << 3  # word 3's participation bit
+    others = torch.cat([torch.arange(bad - 40, bad), torch.arange(bad + 1, bad + 40)])
+    for _ in every_isa():
+        with pytest.raises(ibp_embed.FormatError):
+            t.gather(torch.arange(bad - 40, bad + 40))
+        assert_decodes(t, w[others], others)
