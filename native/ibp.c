@@ -430,10 +430,10 @@ int ibp_validate(const ibp_table *t, uint64_t *bad_row)
 uint32_t ibp_fixed_row_bytes(const ibp_table *t)
 {
     if (!t || t->block_len || t->cb.n_clusters == 0 || !t->n_rows || !t->block_base || !t->rel ||
-        ibp_row_start(t, 0) != 0)
+        t->rel_bytes != ibp_rel_bytes(t->cb.row_bytes) || ibp_row_start(t, 0) != 0)
         return 0;
-    const uint64_t L = ibp_row_start(t, 1);
-    if (L == 0 || L > UINT32_MAX || t->n_rows > UINT64_MAX / L)
+    const uint64_t L = ibp_row_start(t, 1); /* every span then lies in the payload: */
+    if (L == 0 || L > t->cb.row_bytes || t->n_rows > UINT64_MAX / L || t->n_rows * L != t->payload_bytes)
         return 0;
     for (uint64_t i = 2, at = 2 * L; i <= t->n_rows; i++, at += L)
         if (ibp_row_start(t, i) != at)

@@ -60,8 +60,9 @@ typedef struct ibp_table {
     uint64_t n_rows;
     uint32_t rel_bytes;          /* 2 or 4: width of rel[] */
     /* 0, or L where the index puts every row at i * L, L bytes long (rows that all
-     * encode alike: one cluster, every word participating): the decodes and lookups
-     * then read no index. Set from ibp_fixed_row_bytes; ibp_validate checks it. */
+     * encode to one length, as where every word of every row participates): libibp's
+     * CPU decodes and lookups then read no index. Set from ibp_fixed_row_bytes;
+     * ibp_validate checks it. */
     uint32_t fixed_len;
     const uint64_t *block_base;  /* [(n_rows >> 6) + 1] */
     const void *rel;             /* [n_rows + 1] of uint16 or uint32 */
@@ -128,10 +129,12 @@ int ibp_assign(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
 int ibp_encode(const ibp_codebook *cb, const uint8_t *rows, uint64_t n_rows,
                const uint8_t *clusters, const uint64_t *offsets, uint8_t *payload);
 /* Structural check of a table: codebook, offsets monotone and in bounds, row
- * lengths, cluster ids. Returns IBP_E_CORRUPT and the first bad row in *bad_row. */
+ * lengths, cluster ids, fixed_len (every row that long, if set). Returns
+ * IBP_E_CORRUPT and the first bad row in *bad_row. */
 int ibp_validate(const ibp_table *t, uint64_t *bad_row);
 /* The fixed_len the index of t says (one pass over it), 0 where rows differ in
- * length or t has no index (raw, or a store's view). */
+ * length, their spans would not fill the payload, or t has no index (raw, or a
+ * store's view). */
 uint32_t ibp_fixed_row_bytes(const ibp_table *t);
 
 /* Decode rows idx[0..n_idx) (all rows when idx is NULL) into out, row_bytes each. */

@@ -178,7 +178,7 @@ static inline __attribute__((always_inline)) const plan_view *full_row_view(cons
     if (!single && k >= p->clusters)
         return NULL;
     const plan_view *v = single ? v0 : &p->views[k];
-    return len == v->full_len && header_full(v, row + !single) ? v : NULL; /* full_len 0: no such rows */
+    return v->full_len && len == v->full_len && header_full(v, row + !single) ? v : NULL; /* 0: no such rows */
 }
 
 /* decode_full_rows for one row, inlined into the general row loop, for tables where

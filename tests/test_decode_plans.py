@@ -354,6 +354,26 @@ def test_full_rows_are_told_from_raw_rows_by_their_length(word_bits):
         assert_decodes(t, w[ids], ids)
 
 
+def test_a_row_of_no_bytes_is_corrupt_where_no_row_is_stored_full():
+    """A cluster whose full rows would be stored raw (R = 32 bytes, one invariant bit a
+    word: 1 + 32 bytes encoded) has no full length (0). A row of no bytes, which only a
+    table taken without validation can hold, must not pass for a full one (its header
+    read from the next row's bytes, all ones): every instruction set reports it."""
+    from ibp_embed._native import lib
+
+    masks = np.full((1, 4), 1 << 63, dtype=np.uint64)
+    payload = np.zeros(32 + lib.ibp_tail_pad(32, 64), dtype=np.uint8)
+    payload[:32] = 0xFF
+    t = ibp_embed.CompressedTable(shape=(2, 8), dtype=torch.float32, word_bits=64, masks=masks,
+                                  bitvals=np.zeros((1, 4), dtype=np.uint64), block_base=np.zeros(1, dtype=np.uint64),
+                                  rel=np.array([0, 0, 32], dtype=np.uint16), payload=payload, payload_bytes=32,
+                                  validate=False)  # row 0: 0 bytes, row 1: raw
+    for _ in every_isa():
+        with pytest.raises(ibp_embed.FormatError):
+            t.gather(torch.tensor([0]))
+        assert_decodes(t, payload[:32].reshape(1, 32), torch.tensor([1]))
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["general-steps", "direct-steps"])
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
 @pytest.mark.parametrize("kind", ["float32", "float16", "int8-three-runs"])
@@ -405,16 +425,23 @@ def test_packed_rows_loop_copies_raw_and_hands_back_corrupt_rows(kind, word_bits
         assert_decodes(t, w[others], others)
 
 
-@pytest.mark.parametrize("word_bits", [16, 32, 64])
-def test_packed_rows_loop_takes_raw_rows_by_their_length(word_bits):
+@pytest.mark.parametrize("kind,word_bits", [("int8", 16), ("int8", 32), ("int8", 64), ("float16", 16),
+                                            ("float16", 32)])  # float16 at 64: no header ends a row exactly
+def test_packed_rows_loop_takes_raw_rows_by_their_length(word_bits, kind):
     """A raw row is told by its length alone: read as an encoded row, its first bytes
     (a header's place) can name words whose fields add up to that length too. Such a
     row, here crafted (int8 bytes whose top bit is invariant, so that a word's extra
-    is W / 8 bits), must come out as stored, from every instruction set."""
+    is W / 8 bits; float16 of one exponent, whose words the AVX2 decoders' word_rows_loop
+    takes at W = 16 and 32), must come out as stored, from every instruction set."""
     g = torch.Generator().manual_seed(61)
     n, row_bytes = 800, 128
-    w = torch.randint(0, 128, (n, row_bytes), generator=g, dtype=torch.int8)
-    w[torch.rand(w.shape, generator=g) < 0.003] |= -128  # its word does not participate
+    if kind == "int8":
+        w = torch.randint(0, 128, (n, row_bytes), generator=g, dtype=torch.int8)
+        w[torch.rand(w.shape, generator=g) < 0.003] |= -128  # its word does not participate
+    else:
+        w = 1 + torch.rand(n, row_bytes // 2, generator=g)
+        w[torch.rand(w.shape, generator=g) < 0.003] *= 1024  # another exponent: its word does not participate
+        w = w.half()
     masks = np.asarray(ibp_embed.compress(w, word_bits=word_bits).masks)[0]
     n_words, hdr_bytes = masks.size, masks.size // 8
     # header bits that make the bitstream of a row of row_bytes exactly end its span
@@ -425,9 +452,9 @@ def test_packed_rows_loop_takes_raw_rows_by_their_length(word_bits):
         bits -= bin(int(m)).count("1")
         header |= 1 << j
     assert -(-bits // 8) == row_bytes - hdr_bytes
-    crafted = torch.randint(-128, 128, (row_bytes,), generator=g, dtype=torch.int8)
-    crafted[:hdr_bytes] = torch.tensor(list(header.to_bytes(hdr_bytes, "little")), dtype=torch.uint8).view(torch.int8)
-    w[n // 2] = crafted
+    crafted = torch.randint(0, 256, (row_bytes,), generator=g, dtype=torch.uint8)
+    crafted[:hdr_bytes] = torch.tensor(list(header.to_bytes(hdr_bytes, "little")), dtype=torch.uint8)
+    w.view(torch.uint8)[n // 2] = crafted
     t = ibp_embed.compress(w, word_bits=word_bits)
     assert np.array_equal(np.asarray(t.masks)[0], masks) and t.row_lengths()[n // 2] == row_bytes
     assert direct_step_share(t, w) >= 0.8  # direct steps before and after it

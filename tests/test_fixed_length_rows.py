@@ -73,6 +73,27 @@ def test_fixed_length_rows_decode_and_pool_as_through_the_index_on_every_kernel_
         assert torch.equal(t.lookup(small, torch.tensor([0, 3, 4])), by_index.lookup(small, torch.tensor([0, 3, 4])))
 
 
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_fixed_length_rows_are_read_without_the_index(word_bits):
+    """With fixed_len set, the decodes and lookups never read the index: zeroed after the
+    table is taken (every row would then start at 0), the rows still come out right,
+    through the run of full rows at every word size (full_rows_loop on AVX2)."""
+    n_rows, n = 20_000, 4096
+    w = _one_exponent(n_rows, 64, seed=8)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert t._c.fixed_len == t.row_lengths()[0]
+    t._rel[:] = 0
+    t._block_base[:] = 0
+    g = torch.Generator().manual_seed(9)
+    order = torch.randperm(n_rows, generator=g)[:3000]
+    idx = torch.randint(0, n_rows, (n,), generator=g)
+    off = torch.arange(0, n + 1, 16)
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[order], order)
+        assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w.float(), off[:-1], mode="sum"))
+
+
 def test_the_operators_read_fixed_length_rows_without_the_index():
     w = _one_exponent(500, 32, seed=4)
     t = ibp_embed.compress(w, word_bits=64)
@@ -102,6 +123,10 @@ def test_a_fixed_length_the_index_does_not_bear_out_is_refused():
                             block_base=t._block_base, rel=rel, payload=t._payload,
                             payload_bytes=t._payload_bytes, validate=False)
     assert moved._c.fixed_len == 0 and lib.ibp_fixed_row_bytes(moved._c) == 0
+    short = CompressedTable(shape=t.shape, dtype=t.dtype, word_bits=64, masks=t._masks, bitvals=t._bitvals,
+                            block_base=t._block_base, rel=t._rel, payload=t._payload,
+                            payload_bytes=t._payload_bytes - 1, validate=False)
+    assert short._c.fixed_len == 0  # spans past the payload: not taken as fixed
     moved._c.fixed_len = L
     assert lib.ibp_validate(moved._c, bad) == lib.IBP_E_CORRUPT and bad[0] == 69
     raw = ibp_embed.compress(torch.randn(20, 4))
