@@ -17,7 +17,7 @@ Builds are given as to benchmarks.ab (a git revision, `.`, or a built libibp.so)
 must share the package's ABI. Both run on the tables the package compressed; each
 call is routed to its build by swapping the library that ibp_embed's batched lookups
 call (packed_jobs.lib) for the call. On a Zen 5 EPYC (2026-12-06), a change that
-benchmarks.ab timed at 0.79-0.93x (min) on its 101k-row table (fp32 d128, uniform ids)
+benchmarks.ab timed at 0.77-0.93x (min) on its 101k-row table (fp32 d128, uniform ids)
 took 0.93-0.97x here by the medians and 1.02-1.04x by the fastest rounds, over the
 whole quick fp32 d128 set, both builds as A and as B: where the rows of a lookup fit
 in L3, benchmarks.ab's second build finds them there. Results: a markdown table and
