@@ -104,6 +104,16 @@ def build(spec: str, into: Path) -> Path:
     return into / "libibp.so"
 
 
+def build_all(specs: dict, into: Path, tag: str = "ab") -> dict:
+    """{name: libibp.so} of each build spec (see build), compiled under into / name,
+    each named on stderr as it is built."""
+    paths = {}
+    for name, spec in specs.items():
+        print(f"[{tag}] {name} = {spec}" + ("" if spec.endswith(".so") else ": building"), file=sys.stderr, flush=True)
+        paths[name] = build(spec, into / name)
+    return paths
+
+
 def load(path: Path):
     lib = _native.ffi.dlopen(str(path))
     if lib.ibp_abi_version() != _native.lib.ibp_abi_version():
@@ -345,11 +355,7 @@ def main(argv=None) -> dict | None:
     torch.set_num_threads(1)
     common.steady_allocations()
     with tempfile.TemporaryDirectory(prefix="ibp-ab-") as tmp:
-        paths = {}
-        for name, spec in (("A", args.a), ("B", args.b)):
-            print(f"[ab] {name} = {spec}: building" if not spec.endswith(".so") else f"[ab] {name} = {spec}",
-                  file=sys.stderr, flush=True)
-            paths[name] = build(spec, Path(tmp) / name)
+        paths = build_all({"A": args.a, "B": args.b}, Path(tmp))
         runs = {}
         if args.isolated:
             for what in args.what:

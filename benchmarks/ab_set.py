@@ -8,17 +8,22 @@ build read are still in L3 for the next, a regime a model's lookup (other tables
 layers in between) seldom sees. This harness times what benchmarks.lookup reports:
 `ibp_embed.lookup_many` over a Criteo-like table set (benchmarks.lookup's tables,
 --scale 0.01: the quick set) in one call, 1 thread, with FBGEMM's TBE (HOST) timed in
-the same rounds, so each build runs after the other build or after FBGEMM as rounds
-rotate the order of the three (six orders in turn). A round's three times give its
+the same rounds, so each build runs after the other build or after FBGEMM, never
+after itself: the rounds take the six orders of the three in a cycle whose every
+round starts with another system than the last one ended with (without FBGEMM, for
+bf16, half the calls follow their own build's). A round's three times give its
 ratios: B's time over A's, and each build's speed relative to FBGEMM's; the medians
-and quartiles over the rounds are printed (min: the ratio of the fastest rounds).
+and quartiles over the rounds are printed, and the ratio of the builds' fastest calls.
 
 Builds are given as to benchmarks.ab (a git revision, `.`, or a built libibp.so) and
 must share the package's ABI. Both run on the tables the package compressed; each
 call is routed to its build by swapping the library that ibp_embed's batched lookups
-call (packed_jobs.lib) for the call. On a Zen 5 EPYC (2026-12-06), a change that
+call (packed_jobs.lib) for the call. Tables pooled from a decoded copy (up to 1 MB
+raw, named fewer than IBP_FILL_IDS_PER_ROW ids a row by a call: small batches, none at
+the default B4096 x P20) have that copy made once, by the package's library, so a
+change to decoding would not show there. On a Zen 5 EPYC (2026-12-06), a change that
 benchmarks.ab timed at 0.77-0.93x (min) on its 101k-row table (fp32 d128, uniform ids)
-took 0.93-0.97x here by the medians and 1.02-1.04x by the fastest rounds, over the
+took 0.93-0.97x here by the medians and 1.02-1.04x by the fastest calls, over the
 whole quick fp32 d128 set, both builds as A and as B: where the rows of a lookup fit
 in L3, benchmarks.ab's second build finds them there. Results: a markdown table and
 benchmarks/results/ab_set-<UTC time>.json.
@@ -39,13 +44,13 @@ import ibp_embed
 from ibp_embed import packed_jobs
 
 from . import ab, common
-from .lookup.systems import build_tbe, fbgemm_precision
+from .lookup.systems import set_weights
 from .lookup.tables import TableSet, criteo_rows
 from .lookup.workloads import Workload, make_batch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ORDERS = (("fbgemm", "A", "B"), ("B", "fbgemm", "A"), ("A", "B", "fbgemm"),
-          ("fbgemm", "B", "A"), ("A", "fbgemm", "B"), ("B", "A", "fbgemm"))
+# the six orders, each round starting with another system than the one before ended with
+ORDERS = (("fbgemm", "A", "B"), ("fbgemm", "B", "A"), ("B", "fbgemm", "A"),
+          ("B", "A", "fbgemm"), ("A", "B", "fbgemm"), ("A", "fbgemm", "B"))
 
 
 @contextlib.contextmanager
@@ -64,28 +69,20 @@ def make_set(args) -> tuple:
     rows = [n for n in criteo_rows(args.scale) if n >= args.min_rows]
     if not rows:
         raise SystemExit(f"ab_set: no table of the set has {args.min_rows} rows or more")
-    ts = TableSet("ab_set", args.init, DTYPES[args.dtype], [args.dim] * len(rows), rows)
-    tbe = None
-    if fbgemm_precision(ts.dtype) is not None:
-        tbe = build_tbe(ts.rows, ts.dims, ts.dtype)
-        weights = tbe.split_embedding_weights()
-        with torch.no_grad():
-            for t, w in enumerate(weights):
-                w.copy_(ts.weights(t))
-    else:
-        weights = [ts.weights(t).contiguous() for t in range(len(rows))]
+    ts = TableSet("ab_set", args.init, ab.DTYPES[args.dtype], [args.dim] * len(rows), rows)
+    tbe, weights = set_weights(ts)
     return ts, weights, tbe
 
 
 def run_rounds(fns: dict, seconds: float, min_rounds: int) -> dict:
-    """Each system's times over rounds that rotate ORDERS (of the systems in fns), for
-    `seconds` and at least min_rounds rounds, after a round that warms up."""
+    """Each system's times over rounds that go through ORDERS (of the systems in fns) in
+    whole cycles, for `seconds` and at least min_rounds rounds, after a round that warms up."""
     times = {k: [] for k in fns}
     order = [[k for k in o if k in fns] for o in ORDERS]
-    for k in order[0]:
+    for k in order[-1]:
         fns[k]()
     end, i = time.perf_counter() + seconds, 0
-    while i < min_rounds or time.perf_counter() < end:
+    while i < min_rounds or time.perf_counter() < end or i % len(order):
         for k in order[i % len(order)]:
             t0 = time.perf_counter()
             fns[k]()
@@ -99,7 +96,7 @@ def summary(times: dict) -> dict:
     b_over_a = t["B"] / t["A"]
     out = {"rounds": int(b_over_a.size), "b_over_a_median": float(np.median(b_over_a)),
            "b_over_a_q25": float(np.quantile(b_over_a, 0.25)), "b_over_a_q75": float(np.quantile(b_over_a, 0.75)),
-           "b_over_a_min": float(t["B"].min() / t["A"].min()),
+           "b_over_a_fastest": float(t["B"].min() / t["A"].min()),
            "median_ms": {k: float(np.median(v) * 1e3) for k, v in t.items()},
            "min_ms": {k: float(v.min() * 1e3) for k, v in t.items()}}
     if "fbgemm" in t:
@@ -112,7 +109,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("a", help="build A: a git revision, '.' (the working tree) or a libibp.so")
     p.add_argument("b", nargs="?", default=".", help="build B (default: the working tree)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=ab.DTYPES, default="float32")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--init", choices=("torchrec", "trained"), default="torchrec")
     p.add_argument("--word-bits", type=int, choices=(16, 32, 64), default=64)
@@ -140,12 +137,14 @@ def main(argv=None) -> dict:
     args = parse(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     common.steady_allocations()
-    ts, weights, tbe = make_set(args)
-    tables = [ibp_embed.compress(w, word_bits=args.word_bits, progress=False) for w in weights]
-    batch = make_batch(ts.rows, Workload(args.batch, args.pooling, None if args.dist == "uniform" else args.alpha),
-                       0, ts.perm_seeds())
     with tempfile.TemporaryDirectory(prefix="ibp-ab-set-") as tmp:
-        libs = {name: ab.load(ab.build(spec, Path(tmp) / name)) for name, spec in (("A", args.a), ("B", args.b))}
+        libs = {name: ab.load(path)
+                for name, path in ab.build_all({"A": args.a, "B": args.b}, Path(tmp), "ab_set").items()}
+        print("[ab_set] tables and batch", file=sys.stderr, flush=True)
+        ts, weights, tbe = make_set(args)
+        tables = [ibp_embed.compress(w, word_bits=args.word_bits, progress=False) for w in weights]
+        batch = make_batch(ts.rows, Workload(args.batch, args.pooling,
+                                             None if args.dist == "uniform" else args.alpha), 0, ts.perm_seeds())
         fns = {}
         for name, lib in libs.items():
             def call(lib=lib):
@@ -154,7 +153,7 @@ def main(argv=None) -> dict:
             fns[name] = call
         with torch.no_grad(), ab.kernels(libs, args.isa):
             outs = {name: fn() for name, fn in fns.items()}
-            if not torch.equal(outs["A"], outs["B"]):
+            if not torch.equal(outs["A"].view(torch.int32), outs["B"].view(torch.int32)):  # bits: -0.0 too
                 raise SystemExit("ab_set: the two builds' outputs differ")
             if tbe is not None:
                 fns["fbgemm"] = lambda: tbe(batch.values, batch.offsets)
@@ -173,7 +172,7 @@ def main(argv=None) -> dict:
             for k in fns]
     print(common.markdown_table(["system", "median ms", "min ms", "speed / FBGEMM's (median of rounds)"], rows))
     print(f"\nB / A time, over rounds: median {got['b_over_a_median']:.3f} (quartiles {got['b_over_a_q25']:.3f}-"
-          f"{got['b_over_a_q75']:.3f}); fastest rounds {got['b_over_a_min']:.3f}")
+          f"{got['b_over_a_q75']:.3f}); fastest calls {got['b_over_a_fastest']:.3f}")
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "results_dir"}
     return common.save_runs("ab_set", {**config, "label": label}, [got], args.results_dir)
 

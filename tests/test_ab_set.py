@@ -1,5 +1,6 @@
 """The set-level A/B harness (benchmarks/ab_set.py) on a tiny table set."""
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +24,32 @@ def test_builds_and_fbgemm_rotate_through_rounds(tmp_path):
     assert run["b_over_a_median"] > 0 and run["A_speed_vs_fbgemm_median"] > 0
     saved = json.loads(next(tmp_path.glob("ab_set-*.json")).read_text())
     assert saved["config"]["dtype"] == "float16" and "1000-1000 rows" in saved["config"]["label"]
+
+
+def test_each_build_runs_its_own_calls(tmp_path, monkeypatch):
+    """Two copies of the library (two libraries to dlopen): every lookup of a build goes
+    to that build, once a round, once to warm up and once for the output check."""
+    paths = [str(shutil.copy(package_library(), tmp_path / f"{name}.so")) for name in ("a", "b")]
+    calls, real_load = {}, ab_set.ab.load
+
+    class Counted:  # the loaded library, counting its batched lookups
+        def __init__(self, lib, path):
+            self._lib, self._path = lib, str(path)
+
+        def __getattr__(self, name):
+            if name != "ibp_lookup_many":
+                return getattr(self._lib, name)
+
+            def counted(*args):
+                calls[self._path] = calls.get(self._path, 0) + 1
+                return self._lib.ibp_lookup_many(*args)
+            return counted
+
+    monkeypatch.setattr(ab_set.ab, "load", lambda path: Counted(real_load(path), path))
+    got = ab_set.main([*paths, *TINY, "--results-dir", str(tmp_path)])
+    rounds = got["runs"][0]["rounds"]
+    assert rounds % len(ab_set.ORDERS) == 0  # whole cycles
+    assert calls == {p: rounds + 2 for p in paths}
 
 
 def test_dtype_without_fbgemm_kernel_times_the_builds_alone(tmp_path):
@@ -54,3 +81,9 @@ def test_builds_whose_sums_differ_are_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(ab_set.ibp_embed, "lookup_many", second_call_off_by_one)
     with pytest.raises(SystemExit, match="outputs differ"):
         ab_set.main([lib, lib, *TINY, "--results-dir", str(tmp_path)])
+
+
+def test_no_system_is_timed_right_after_itself():
+    orders = ab_set.ORDERS
+    assert sorted(orders) == sorted(set(orders)) and len(orders) == 6
+    assert all(orders[i][-1] != orders[(i + 1) % len(orders)][0] for i in range(len(orders)))

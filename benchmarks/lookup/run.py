@@ -32,7 +32,7 @@ from .names import (
     lookup_name,
     pair_of,
 )
-from .systems import build_tbe, fbgemm_precision, ibp_ebc, reference_output, torchrec_fused_ebc
+from .systems import ibp_ebc, reference_output, set_weights, torchrec_fused_ebc
 from .tables import TableSet
 from .workloads import batch_host_bytes, index_bytes_per_row, make_batch
 
@@ -52,16 +52,11 @@ def run_table_set(ts: TableSet, workloads, args, log) -> dict:
         clock[0] = now
 
     # ---- weights: inside the TBE when FBGEMM has a kernel for the dtype (shared by TorchRec)
-    tbe = fused = None
-    if fbgemm_precision(ts.dtype) is not None:
-        tbe = build_tbe(ts.rows, ts.dims, ts.dtype)
-        weights = tbe.split_embedding_weights()
-        with torch.no_grad():
-            for t, w in enumerate(weights):
-                w.copy_(ts.weights(t))
+    tbe, weights = set_weights(ts)
+    fused = None
+    if tbe is not None:
         fused = torchrec_fused_ebc(tbe, ts.dims)
     else:
-        weights = [ts.weights(t).contiguous() for t in range(n_tables)]
         res["fbgemm_unavailable"] = f"FBGEMM {common._version('fbgemm_gpu')} CPU (HOST) kernel has no " \
                                     f"{DTYPE_SHORT[ts.dtype]} weights"
     row_bytes = [d * ts.dtype.itemsize for d in ts.dims]

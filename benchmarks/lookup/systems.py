@@ -28,6 +28,19 @@ def build_tbe(rows, dims, dtype):
         weights_precision=fbgemm_precision(dtype), output_dtype=SparseType.FP32, device=torch.device("cpu"))
 
 
+def set_weights(ts) -> tuple:
+    """(FBGEMM's TBE holding table set ts's weights, or None where FBGEMM has no kernel
+    for its dtype; the weights: the TBE's own tensors, or plain ones)."""
+    if fbgemm_precision(ts.dtype) is None:
+        return None, [ts.weights(t).contiguous() for t in range(len(ts.rows))]
+    tbe = build_tbe(ts.rows, ts.dims, ts.dtype)
+    weights = tbe.split_embedding_weights()
+    with torch.no_grad():
+        for t, w in enumerate(weights):
+            w.copy_(ts.weights(t))
+    return tbe, weights
+
+
 def torchrec_fused_ebc(tbe, dims):
     """TorchRec's FusedEmbeddingBagCollection whose forward runs on `tbe` (see module doc)."""
     from torchrec import EmbeddingBagConfig
