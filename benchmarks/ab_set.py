@@ -21,11 +21,12 @@ call is routed to its build by swapping the library that ibp_embed's batched loo
 call (packed_jobs.lib) for the call. Tables pooled from a decoded copy (up to 1 MB
 raw, named fewer than IBP_FILL_IDS_PER_ROW ids a row by a call: small batches, none at
 the default B4096 x P20) have that copy made once, by the package's library, so a
-change to decoding would not show there. On a Zen 5 EPYC (2026-12-06), a change that
-benchmarks.ab timed at 0.77-0.93x (min) on its 101k-row table (fp32 d128, uniform ids)
-took 0.93-0.97x here by the medians and 1.02-1.04x by the fastest calls, over the
-whole quick fp32 d128 set, both builds as A and as B: where the rows of a lookup fit
-in L3, benchmarks.ab's second build finds them there. Results: a markdown table and
+change to decoding would not show there. A table timed alone, each build right after
+the other, does not show what a change costs the set: on a Zen 5 EPYC (2026-12-06) a
+lower deduplication threshold that benchmarks.ab timed at 0.92-0.94x on its 101k-row
+table (fp32 d128, uniform ids; min and median) took 0.93-0.97x the time here by the
+medians but 1.02-1.04x by the fastest calls, over the whole quick fp32 d128 set, each
+build as A and as B. Results: a markdown table and
 benchmarks/results/ab_set-<UTC time>.json.
 """
 from __future__ import annotations
