@@ -168,18 +168,35 @@ def in_turn(calls: list):
     return lambda: next(turn)()
 
 
-def time_interleaved(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
+def round_orders(names, rounds: int, seed: int = 0) -> list:
+    """An order of `names` for each of `rounds` rounds, drawn at random (seeded), no round
+    starting with the name the one before ended with: no name is timed right after itself,
+    where its own data is warmest, and none always follows the same other name."""
+    names = list(names)
+    rng = np.random.default_rng(seed)
+    orders = []
+    for _ in range(rounds):
+        order = [names[i] for i in rng.permutation(len(names))]
+        if orders and len(names) > 1 and order[0] == orders[-1][-1]:
+            order[0], order[-1] = order[-1], order[0]
+        orders.append(order)
+    return orders
+
+
+def time_interleaved(fns: dict, repeats: int = 5, warmup: int = 1, shuffle: bool = False) -> dict:
     """Time several callables in rounds (a, b, c, a, b, c, ...) so that a change of machine
     load over the run hits each of them alike (fairer pairwise ratios on a shared machine).
-    Returns {name: {"median_s", "min_s", "times_s"}} like time_runs."""
+    shuffle: each round in its own order (round_orders) rather than the order of `fns`.
+    Returns {name: {"median_s", "min_s", "times_s"}} like time_runs; times_s[r] is round r's."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    orders = round_orders(fns, repeats) if shuffle else [list(fns)] * repeats
+    for order in orders:
+        for name in order:
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t0)
     return {name: {"median_s": statistics.median(t), "min_s": min(t), "times_s": t} for name, t in times.items()}
 

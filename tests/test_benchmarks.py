@@ -85,7 +85,7 @@ def test_plan_takes_any_dims_and_refuses_an_empty_one(capsys):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_harness_tiny(tmp_path, dtype):
-    args = L.parse_args(["--quick", "--repeats", "1", "--batches", "1", "--no-zipnn", "--codec-sample", "32"])
+    args = L.parse_args(["--quick", "--repeats", "3", "--batches", "1", "--no-zipnn", "--codec-sample", "32"])
     ts = L.TableSet(name="tiny", init="trained", dtype=dtype, dims=[8, 8, 16], rows=[50, 200, 7])
     works = [L.Workload(16, 3, 1.05), L.Workload(16, 3, None), L.Workload(8, "dlrmv2", 1.2)]
     res = L.run_table_set(ts, works, args, log=lambda m: None)
@@ -98,6 +98,12 @@ def test_harness_tiny(tmp_path, dtype):
         if dtype == torch.float32:
             assert w["ibp_vs_fbgemm_throughput_ratio"] > 0
             assert s[L.HEADLINE]["ibp_vs_fbgemm_throughput_ratio"] == w["ibp_vs_fbgemm_throughput_ratio"]
+            for name, e in s.items():  # each pair's ratio: the median of its rounds' ratios
+                if "paired_with" in e:
+                    fb = s[e["paired_with"]]["times_s"]
+                    assert e["ibp_vs_fbgemm_round_ratios"] == [a / b for a, b in zip(fb, e["times_s"])]
+                    assert len(fb) == 3 and e["ibp_vs_fbgemm_throughput_ratio"] == sorted(
+                        e["ibp_vs_fbgemm_round_ratios"])[1]
             assert {L.FBGEMM, L.TORCHREC} <= set(s)
         else:  # FBGEMM's CPU kernel has no bf16
             assert w["ibp_vs_fbgemm_throughput_ratio"] is None and L.FBGEMM not in s
@@ -118,6 +124,29 @@ def test_harness_tiny(tmp_path, dtype):
     path = common.write_json({"results": [res], "targets": targets}, "lookup-test", results_dir=tmp_path)
     assert json.loads(path.read_text())["results"][0]["workloads"][0]["workload"] == "B16 P3 Zipf 1.05"
     assert L.plot([res], tmp_path / "x.png").stat().st_size > 0
+
+
+def test_round_orders_vary_and_never_time_a_system_after_itself():
+    names = ["fbgemm", "a", "b", "c"]
+    orders = common.round_orders(names, 200, seed=3)
+    assert orders == common.round_orders(names, 200, seed=3)  # the same draw every run
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert all(o[0] != prev[-1] for prev, o in zip(orders, orders[1:]))
+    follows = {(x, y) for o in orders for x, y in zip(o, o[1:])}
+    assert len(follows) == 12  # every system is timed after every other one
+    two = common.round_orders(["a", "b"], 4)  # two systems: no self-follow leaves one order
+    assert two in ([["a", "b"]] * 4, [["b", "a"]] * 4)
+
+
+def test_time_interleaved_runs_each_round_in_its_order():
+    calls = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    t = common.time_interleaved(fns, repeats=6, warmup=0, shuffle=True)
+    assert calls == [k for o in common.round_orders("abc", 6) for k in o]
+    assert all(len(v["times_s"]) == 6 for v in t.values())
+    calls.clear()
+    common.time_interleaved(fns, repeats=2, warmup=1)
+    assert calls == list("abc") * 3
 
 
 def test_training_benchmark_harness_tiny():

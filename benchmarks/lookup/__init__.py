@@ -37,9 +37,13 @@ Systems, timed in the same run on the same tables and batches. Timings run on --
 system first runs the first batch once (its output checked against torch's embedding_bag:
 the warm-up), then the systems are timed interleaved, pass by pass (common.time_interleaved:
 --repeats rounds over all systems (default 5, quick 3), each pass over --batches distinct
-batches (default 2, quick 1); the median pass is reported). Large allocations come from a
-heap that stays mapped (common.steady_allocations): a batch's 54 MiB output was otherwise
-a fresh mapping, page-faulted at random, and FBGEMM's timings swung 3x with it:
+batches (default 2, quick 1); the median pass is reported). Each round takes its own order,
+drawn at random (common.round_orders, the same draw every run), and none starts with the
+system the round before ended with: a fixed order timed each system after the same
+neighbour every round, and the one after FBGEMM on the rows FBGEMM left in cache. Large
+allocations come from a heap that stays mapped (common.steady_allocations): a batch's
+54 MiB output was otherwise a fresh mapping, page-faulted at random, and FBGEMM's timings
+swung 3x with it:
 - "fbgemm TBE": FBGEMM SplitTableBatchedEmbeddingBagsCodegen, EmbeddingLocation.HOST /
   ComputeDevice.CPU, all tables in one TBE, forward(indices, offsets) (the kernel TorchRec's
   fused compute kernel runs on CPU). fp32 and fp16 weights; FBGEMM 1.8's CPU kernel has no
@@ -71,8 +75,13 @@ a measurement: FBGEMM UVM reads every occurrence's whole row over PCIe (occurren
 bytes); ibp reads each distinct row of a feature once (index deduplication) at its stored
 length (CompressedTable.row_lengths()) plus its offsets-index entries (an 8-byte block base
 and two rel entries); no PCIe transaction granularity is modelled. Ratios against FBGEMM are
-computed pair by pair in this run (ibp lookup / fbgemm TBE, ibp EBC / torchrec FusedEBC);
-every configuration (table set x workload) carries ibp_vs_fbgemm_throughput_ratio (ibp
+computed pair by pair in this run (ibp lookup / fbgemm TBE, ibp EBC / torchrec FusedEBC),
+round by round: a round's ratio is the pair's two times in that round, and the ratio
+reported is the median of the rounds' (ibp_vs_fbgemm_round_ratios holds them all; the
+report prints their spread). On a host whose speed moves between rounds (a shared VM's
+neighbours), the ratio of the two medians can pair a fast round of one with a slow round
+of the other. Every configuration (table set x workload) carries
+ibp_vs_fbgemm_throughput_ratio (ibp
 lookup W64 K1 against fbgemm TBE; null where FBGEMM has no kernel) and
 ibp_vs_fbgemm_throughput_ratios (every pair). The issue's targets are printed as met / not
 met with their numbers, never asserted.

@@ -22,6 +22,11 @@ def _paired(e):
     return _mlps(e) + ("" if r is None else f" ({r:.2f}x)")
 
 
+def _spread(e):
+    rr = None if e is None else e.get("ibp_vs_fbgemm_round_ratios")
+    return "-" if not rr else f"{e['ibp_vs_fbgemm_throughput_ratio']:.2f} ({min(rr):.2f} - {max(rr):.2f})"
+
+
 def _mib(x):
     return "-" if x is None else f"{x / 2**20:.0f}"
 
@@ -38,7 +43,8 @@ def report(results, params) -> str:
              f"{m['versions']['fbgemm_gpu']}, torchrec {m['versions']['torchrec']}, zipnn "
              f"{params['zipnn_version'] or 'not installed'}. Tables: Criteo Kaggle cardinalities x "
              f"{params['scale']:g} (small tables kept), 26 tables, one feature each. Timings: median of "
-             f"{params['repeats']} passes over {params['batches']} batches.")
+             f"{params['repeats']} passes over {params['batches']} batches, every round of passes in its own "
+             f"order; a ratio against FBGEMM is the median of the rounds' ratios.")
     L.append("")
     # ---- sizes
     L.append("### Compression ratio (raw / stored, all metadata) and encode time")
@@ -96,6 +102,18 @@ def report(results, params) -> str:
                         [f"{fb['pooled_output_gbps']:.2f} / {hl['pooled_output_gbps']:.2f}" if fb else
                          f"- / {hl['pooled_output_gbps']:.2f}"])
     L += [common.markdown_table(heads, rows), ""]
+
+    # ---- how far the rounds' ratios spread
+    spread_cols = [BATCHED, "ibp EBC W64 K1"]
+    L.append("### Ratio vs the FBGEMM pair, round by round: median (lowest - highest)")
+    L.append("")
+    rows = []
+    for r in results:
+        for w in r["workloads"]:
+            cells = [_spread(w["systems"].get(c)) for c in spread_cols]
+            if w["batch"] == 4096 and w["pooling"] == 20 and w["alpha"] in (1.05, None) and set(cells) != {"-"}:
+                rows.append([r["label"], w["workload"]] + cells)
+    L += [common.markdown_table(["table set", "workload"] + spread_cols, rows), ""]
 
     # ---- workload sweep
     for r in results:

@@ -218,7 +218,8 @@ def run_workload(ts, work, weights, row_bytes, variants, systems, aliases, args,
     gc.collect()
     with torch.no_grad(), common.threads(n_threads):
         timing = common.time_interleaved({name: (lambda fn=fn: [fn(b) for b in batches])
-                                          for name, fn in systems.items()}, repeats=args.repeats, warmup=0)
+                                          for name, fn in systems.items()}, repeats=args.repeats, warmup=0,
+                                          shuffle=True)
     sysres = {}
     for name in list(systems) + list(aliases):
         src = aliases.get(name, name)
@@ -234,8 +235,12 @@ def run_workload(ts, work, weights, row_bytes, variants, systems, aliases, args,
     for name, e in sysres.items():
         p = pair_of(name)
         if p is not None:
-            r = sysres[p]["batch_s"] / e["batch_s"] if p in sysres else None
+            # a round's ratio sets the pair side by side in one stretch of machine load: their median
+            # holds when the load moves between rounds (the ratio of the medians need not)
+            per_round = [a / b for a, b in zip(sysres[p]["times_s"], e["times_s"])] if p in sysres else None
+            r = float(np.median(per_round)) if per_round else None
             e["ibp_vs_fbgemm_throughput_ratio"] = r
+            e["ibp_vs_fbgemm_round_ratios"] = per_round
             e["paired_with"] = p
             e["ibp_vs_torch_raw_throughput_ratio"] = sysres[TORCH_RAW]["batch_s"] / e["batch_s"]
             ratios[name] = r
