@@ -519,6 +519,26 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(DECO
 #undef DECODE_WORDS_ARGS
 #undef DECODE_WORDS_PARAMS
 
+/* The bytes past a row that the prefetches of rows likely in memory (cold_rows) cover:
+ * a step cuts its fields from a 64-byte window loaded at its first byte, so a row's
+ * last step reads up to 63 bytes past the row (a direct step of under 8 bytes, rare in
+ * float rows, up to 71: its window takes a second load 8 bytes on), on a line no
+ * prefetch brought where that step starts late in the row's last line, and the decode
+ * waited on memory there. Against no bytes covered (1 thread, B4096 x P20,
+ * benchmarks.ab_set, B / A time, median of rounds, each build as A and as B; an
+ * Emerald Rapids Xeon): uniform ids into the six tables of 14k-507k rows of make
+ * bench's scale in one lookup_many call, fp32 d64 0.75-0.81x the time, fp32 d128
+ * 0.92-0.94x, fp16 d64 (rows of two or three lines, a line more for most) 0.83-1.02x
+ * as B and 1.06-1.08x as A, no gain past the position; Zipf ids 0.99x (fp32 d64),
+ * 1.01-1.03x (fp16 d64); the quick set's tables, from L3, 0.99-1.01x. 16, 32 and 48
+ * bytes covered on every prefetch (single runs, fp32 d64 uniform) took 0.84x, 0.78x
+ * and 0.70x. Rows in cache keep none: covered there too, new fp32 d128 rows took
+ * 1.10-1.14x the time and fp16 d64 1.08-1.31x (benchmarks.ab decode-fresh), for the
+ * line more that every row then prefetches; as it is, 0.99-1.01x and 0.95-1.05x.
+ * decode_packed_rows_cold prefetches a row's steps and one line more, which leaves the
+ * covered bytes' last line where they span two more; a second line after the steps:
+ * 0.99-1.01x (fp16 d64), 1.00-1.03x (fp32 d64). */
+#define IBP_COLD_OVERREAD 63
 #include "ibp_avx512_runs.inc"
 #undef UNIFORM_STEP_REGS
 
