@@ -81,10 +81,9 @@ reported is the median of the rounds' (ibp_vs_fbgemm_round_ratios holds them all
 report prints their spread). On a host whose speed moves between rounds (a shared VM's
 neighbours), the ratio of the two medians can pair a fast round of one with a slow round
 of the other. Every configuration (table set x workload) carries
-ibp_vs_fbgemm_throughput_ratio (ibp
-lookup W64 K1 against fbgemm TBE; null where FBGEMM has no kernel) and
-ibp_vs_fbgemm_throughput_ratios (every pair). The issue's targets are printed as met / not
-met with their numbers, never asserted.
+ibp_vs_fbgemm_throughput_ratio (ibp lookup W64 K1 against fbgemm TBE; null where FBGEMM
+has no kernel) and ibp_vs_fbgemm_throughput_ratios (every pair). The issue's targets are
+printed as met / not met with their numbers, never asserted.
 
 Output: markdown tables on stdout (progress on stderr), benchmarks/results/lookup-<UTC
 time>.json and benchmarks/results/lookup-<UTC time>.png.
