@@ -77,7 +77,8 @@ def test_plan_takes_any_dims_and_refuses_an_empty_one(capsys):
                                                                    (torch.float16, 64, "torchrec")]
     quick = plan(L.parse_args(["--quick", "--dtypes", "fp32"]))
     assert [(ts.dims[0], ts.init) for ts, _ in quick] == [(128, "torchrec"), (128, "trained"), (64, "torchrec")]
-    for bad in (["--quick", "--dims", "384"], ["--dims", "0"], ["--dims", "x"], ["--inits", "normal"]):
+    for bad in (["--quick", "--dims", "384"], ["--dims", "0"], ["--dims", "x"], ["--inits", "normal"],
+                ["--repeats", "0"], ["--batches", "-1"], ["--codec-sample", "0"]):
         with pytest.raises(SystemExit):
             L.parse_args(bad)
     assert "--quick runs only" in capsys.readouterr().err

@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-json", action="store_true", help="write neither the JSON nor the PNG")
     a = p.parse_args(argv)
+    for name in ("batches", "repeats", "codec_sample"):  # 0 read as "unset" before; a round's ratio needs a round
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(a, name)}")
     a.scale = a.scale or (0.01 if a.quick else 0.03)
     a.batches = a.batches or (1 if a.quick else 2)
     a.repeats = a.repeats or (3 if a.quick else 5)
