@@ -532,9 +532,12 @@ static inline __attribute__((always_inline)) uint32_t decode_words16_avx512(DECO
  * as B and 1.06-1.08x as A, no gain past the position; Zipf ids 0.99x (fp32 d64),
  * 1.01-1.03x (fp16 d64); the quick set's tables, from L3, 0.99-1.01x. 16, 32 and 48
  * bytes covered on every prefetch (single runs, fp32 d64 uniform) took 0.84x, 0.78x
- * and 0.70x. Rows in cache keep none: covered there too, new fp32 d128 rows took
- * 1.10-1.14x the time and fp16 d64 1.08-1.31x (benchmarks.ab decode-fresh), for the
- * line more that every row then prefetches; as it is, 0.99-1.01x and 0.95-1.05x.
+ * and 0.70x. Against 63 on the cold prefetches (the same tables, both orders): 16
+ * took 1.10x the time as B, 63 0.91x as B; 127 1.00x either way: a tighter bound per
+ * table would gain nothing. Rows in cache keep none: covered there too, new fp32 d128
+ * rows took 1.10-1.14x the time and fp16 d64 1.08-1.31x (benchmarks.ab decode-fresh),
+ * for the line more that every row then prefetches; as it is, 0.99-1.01x and
+ * 0.95-1.05x.
  * decode_packed_rows_cold prefetches a row's steps and one line more, which leaves the
  * covered bytes' last line where they span two more; a second line after the steps:
  * 0.99-1.01x (fp16 d64), 1.00-1.03x (fp32 d64). */
