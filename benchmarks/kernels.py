@@ -8,7 +8,8 @@ x86-64-v3 with bit loops for CPUs that microcode pdep, or portable C); each can 
 forced (`ibp_set_isa`), so one process can time them all on the same tables. Per
 table (torchrec init and trained-like, each dtype and word size), 1,000 rows spread
 over the table are decoded into a buffer that stays in cache, 1 thread; the sets'
-calls alternate in each round, so a change of machine load hits them alike. Each
+calls alternate in each round, so a change of machine load hits them alike, each
+round in its own order (common.round_orders: no set always after the same other). Each
 call takes the rows in a new order (one of common.FRESH_ORDERS, in turn), as a
 lookup's distinct rows are new to the branch predictor in every batch; the same
 rows in the same order every call ("repeated"), whose branches the predictor
@@ -53,7 +54,7 @@ def time_sets(table, sets: dict, repeats: int, fresh: bool) -> dict:
     picked = lib.ibp_isa()
     try:
         got = common.time_interleaved({name: common.in_turn([call(name, isa, o) for o in orders])
-                                       for name, isa in sets.items()}, repeats=repeats)
+                                       for name, isa in sets.items()}, repeats=repeats, shuffle=True)
         for order in orders:  # the timing leaves each set's last output: every order, set against set
             for name, isa in sets.items():
                 call(name, isa, order)()

@@ -37,3 +37,16 @@ def test_fresh_orders_are_new_orders_of_the_same_rows_taken_in_turn():
     for _ in range(7):
         call()
     assert seen == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_each_round_takes_its_own_order_of_the_sets(monkeypatch, tmp_path):
+    from benchmarks import common
+    seen = []
+    timed = common.time_interleaved
+
+    def spy(fns, **kw):
+        seen.append(kw.get("shuffle", False))
+        return timed(fns, **kw)
+    monkeypatch.setattr(common, "time_interleaved", spy)
+    kernels.main(["--rows", "1000", "--repeats", "1", "--results-dir", str(tmp_path)])
+    assert seen and all(seen)
