@@ -342,6 +342,8 @@ def parse(argv=None):
     for name in ("dim", "rows", "cached_rows", "batch", "pooling", "repeats", "clusters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if not args.alpha > 0:  # zipf_ids would say so, but only after both builds are compiled
+        p.error(f"--alpha must be positive, not {args.alpha:g}")
     if args.clusters > 256:
         p.error(f"--clusters must be at most 256 (the format's limit), not {args.clusters}")
     return args

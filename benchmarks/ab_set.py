@@ -131,6 +131,8 @@ def parse(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if not (args.scale > 0 and args.seconds >= 0):
         p.error("--scale must be positive and --seconds not negative")
+    if not args.alpha > 0:  # zipf_ids would say so, but only after both builds are compiled
+        p.error(f"--alpha must be positive, not {args.alpha:g}")
     return args
 
 

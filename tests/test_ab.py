@@ -87,7 +87,7 @@ def test_bad_builds_and_options_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="git archive"):
         ab.main(["no-such-revision-xyz", *TINY])
     for bad in (["--what", "decode,squeeze"], ["--repeats", "0"], ["--rows", "-5"], ["--clusters", "0"],
-                ["--clusters", "257"]):
+                ["--clusters", "257"], ["--alpha", "0"], ["--alpha", "nan"]):
         with pytest.raises(SystemExit):
             ab.parse(["HEAD", *bad])
 

@@ -67,6 +67,9 @@ def test_bad_options_are_refused(tmp_path):
         ab_set.main([lib, str(tmp_path / "missing.so"), *TINY, "--results-dir", str(tmp_path)])
     with pytest.raises(SystemExit):
         ab_set.main([lib, lib, *TINY, "--pooling", "0", "--results-dir", str(tmp_path)])
+    for alpha in ("0", "-1"):  # refused before the builds are compiled
+        with pytest.raises(SystemExit):
+            ab_set.parse(["HEAD", ".", "--alpha", alpha])
 
 
 def test_builds_whose_sums_differ_are_refused(tmp_path, monkeypatch):
