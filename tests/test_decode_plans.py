@@ -118,6 +118,33 @@ def test_uniform_plans_place_steps_by_arithmetic(invariant_bits, outliers, dim):
         assert_decodes(t, w[ids], ids)
 
 
+@pytest.mark.parametrize("dim", [16, 136, 160, 384])
+def test_uniform_plans_decode_each_step_once_where_most_have_such_a_word(dim):
+    """Where more than half of a block's steps (up to 16 steps of four 64-bit words)
+    have a word that does not participate, the x86-64-v3 uniform loop decodes each step
+    once by the general step instead of all packed and those again (decode_steps in
+    native/ibp_units_avx2.inc). 10% outliers put such a word in about half the steps:
+    blocks of either kind, in one row and from row to row, so that the running
+    position crosses from one branch to the other. Rows of 16 floats are one block of
+    two steps, 136 floats 17 steps (16 and 1, and a unit past them), 160 floats 20 (16
+    and 4), 384 floats 48. Every instruction set must decode the table bit for bit."""
+    g = torch.Generator().manual_seed(53)
+    w = 1 + torch.rand(900, dim, generator=g)
+    w = torch.where(torch.rand(900, dim, generator=g) < 0.1, w * 1024, w)
+    t = ibp_embed.compress(w, word_bits=64)
+    masks, bitvals = np.asarray(t.masks)[0], np.asarray(t.bitvals)[0]
+    assert t.clusters == 1 and len(set(masks.tolist())) == 1 and len(set(bitvals.tolist())) == 1
+    odd = (w.numpy().view(np.uint64) & masks) != bitvals  # words that do not participate
+    steps = odd[:, : odd.shape[1] // 4 * 4].reshape(len(w), -1, 4).any(axis=2)
+    most = np.concatenate([2 * steps[:, s:s + 16].sum(1, keepdims=True) > steps[:, s:s + 16].shape[1]
+                           for s in range(0, steps.shape[1], 16)], axis=1)
+    assert 0.2 < most.mean() < 0.8  # blocks of both kinds
+    ids = torch.randint(0, 900, (400,), generator=g)
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
 @pytest.mark.parametrize("word_bits", [16, 32])
 def test_uniform_plans_at_w16_and_w32(word_bits):
     """At W = 16 and 32 a uniform plan's steps (every unit of four words, or two, the
@@ -207,6 +234,35 @@ def test_w16_steps_decode_a_word_a_lane(case, out):
     rows = w.numpy().view(np.uint8)
     t = _encode_table(rows, w.dtype, m, _Codebook(rows.shape[1], 16, masks[None], values[None]), False, False)
     assert len(np.unique(t.row_lengths())) > 3
+    ids = torch.from_numpy(rng.integers(0, n, 400))
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+
+
+def test_w16_steps_whose_fields_reach_past_their_first_64_bytes():
+    """An AVX-512 W = 16 step cuts its fields from the 64 bytes at its first byte alone
+    (one-source VPERMW) unless its bits, from its first bit's place in that byte, reach
+    past them; then from 128 bytes (step_fields16 in native/ibp_avx512_fields.inc).
+    Words of 2 invariant bits, 128 a row (four steps of 32): the first step has 1-3
+    words that do not participate (2 bits more each, so the second starts 2-6 bits
+    into its byte), the second 29-31 (506-510 bits, past 512 with the offset for some
+    rows, not for others), the last two none; rows stay shorter than raw. Every
+    instruction set must decode the table bit for bit."""
+    from ibp_embed.codec import _Codebook, _encode_table
+
+    rng = np.random.default_rng(67)
+    n, m = 600, 128
+    masks = np.full(m, bits((14, 16)), dtype=np.uint64)
+    words = rng.integers(0, 1 << 14, (n, m), dtype=np.uint64)  # bits 14, 15 zero: participating
+    for r in range(n):
+        for lo, count in ((0, rng.integers(1, 4)), (32, rng.integers(29, 32))):
+            words[r, lo + rng.choice(32, count, replace=False)] |= 1 << 14
+    w = torch.from_numpy(words.astype(np.uint16).view(np.int16))
+    rows = w.numpy().view(np.uint8)
+    t = _encode_table(rows, w.dtype, m, _Codebook(rows.shape[1], 16, masks[None], np.zeros((1, m), np.uint64)),
+                      False, False)
+    assert (t.row_lengths() < t._row_bytes).all()
     ids = torch.from_numpy(rng.integers(0, n, 400))
     for _ in every_isa():
         assert_decodes(t, w)
