@@ -106,10 +106,8 @@ def summary(times: dict) -> dict:
     return out
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("a", help="build A: a git revision, '.' (the working tree) or a libibp.so")
-    p.add_argument("b", nargs="?", default=".", help="build B (default: the working tree)")
+def add_set_args(p: argparse.ArgumentParser) -> None:
+    """The table set and workload options (make_set, make_batch), shared with benchmarks.headroom."""
     p.add_argument("--dtype", choices=ab.DTYPES, default="float32")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--init", choices=("torchrec", "trained"), default="torchrec")
@@ -120,19 +118,33 @@ def parse(argv=None):
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--dist", choices=("zipf", "uniform"), default="zipf")
     p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+
+
+def check_set_args(p: argparse.ArgumentParser, args, counts=("dim", "batch", "pooling")) -> None:
+    """p.error for set options (add_set_args) and `counts` out of range, before any table is made."""
+    for name in counts:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if not args.scale > 0:
+        p.error("--scale must be positive")
+    if not args.alpha > 0:  # zipf_ids would say so, but only after the tables are made
+        p.error(f"--alpha must be positive, not {args.alpha:g}")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("a", help="build A: a git revision, '.' (the working tree) or a libibp.so")
+    p.add_argument("b", nargs="?", default=".", help="build B (default: the working tree)")
+    add_set_args(p)
     p.add_argument("--isa", choices=tuple(ibp_embed._native.KERNEL_SETS),
                    help="the kernels both builds run (default: the best this CPU has)")
     p.add_argument("--seconds", type=float, default=15.0, help="time the rounds this long (default 15)")
     p.add_argument("--min-rounds", type=int, default=6)
-    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
-    for name in ("dim", "batch", "pooling", "min_rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if not (args.scale > 0 and args.seconds >= 0):
-        p.error("--scale must be positive and --seconds not negative")
-    if not args.alpha > 0:  # zipf_ids would say so, but only after both builds are compiled
-        p.error(f"--alpha must be positive, not {args.alpha:g}")
+    check_set_args(p, args, ("dim", "batch", "pooling", "min_rounds"))
+    if not args.seconds >= 0:
+        p.error("--seconds must not be negative")
     return args
 
 

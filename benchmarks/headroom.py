@@ -1,0 +1,97 @@
+"""How much of a table set's batched lookup is decoding: `lookup_many` over the compressed tables and over the same weights stored raw, with FBGEMM's TBE, in the same rounds.
+
+    python -m benchmarks.headroom --scale 0.05 --min-rows 10000 --dim 64 --dist uniform
+
+The raw tables (CompressedTable.raw) go through the same native lookup (its
+deduplication, windows, prefetches and pooling) but decode nothing, read no index and
+keep every row on whole cache lines, as FBGEMM's do: the gap between the two ibp rows
+is what the packed rows cost, and the raw row against FBGEMM's what the lookup's own
+machinery does. The lines a looked-up row spans are counted from the tables' layout
+(a compressed row's bytes from where it starts in its first line, plus its index entry
+where rows differ in length; 1 thread, the ids of the batch): a model of the memory a
+lookup reads, not a measurement. Each round times the three in its own order
+(common.round_orders); the outputs are checked first (the raw tables' sums bit for
+bit against the compressed ones', FBGEMM's to 1e-4). Results: a markdown table and
+benchmarks/results/headroom-<UTC time>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+import ibp_embed
+from ibp_embed import CompressedTable
+from ibp_embed.dtypes import as_rows
+
+from . import common
+from .ab_set import add_set_args, check_set_args, make_set
+from .lookup.workloads import Workload, make_batch
+
+SYSTEMS = ("fbgemm", "ibp", "ibp raw")
+
+
+def row_lines(table: CompressedTable, ids: np.ndarray) -> float:
+    """The mean cache lines the rows `ids` of table span (its payload starting on a line;
+    with the index entry's line where rows are not all one length)."""
+    lengths = np.asarray(table.row_lengths(), dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    lines = (starts[ids] % 64 + lengths[ids] + 63) // 64
+    return float(lines.mean() + (lengths.min() != lengths.max()))
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_set_args(p)
+    p.add_argument("--rounds", type=int, default=60, help="timed rounds (default 60)")
+    args = p.parse_args(argv)
+    check_set_args(p, args, ("dim", "batch", "pooling", "rounds"))
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    common.steady_allocations()
+    ts, weights, tbe = make_set(args)
+    if tbe is None:
+        raise SystemExit(f"headroom: FBGEMM has no CPU kernel for {args.dtype}")
+    tables = [ibp_embed.compress(w, word_bits=args.word_bits, progress=False) for w in weights]
+    raw = [CompressedTable.raw(*as_rows(w), word_bits=args.word_bits) for w in weights]
+    batch = make_batch(ts.rows, Workload(args.batch, args.pooling, None if args.dist == "uniform" else args.alpha),
+                       0, ts.perm_seeds())
+    fns = {"fbgemm": lambda: tbe(batch.values, batch.offsets),
+           "ibp": lambda: ibp_embed.lookup_many(tables, batch.values, batch.offsets),
+           "ibp raw": lambda: ibp_embed.lookup_many(raw, batch.values, batch.offsets)}
+    with torch.no_grad(), common.threads(1):
+        outs = {name: fn() for name, fn in fns.items()}
+        if not torch.equal(outs["ibp"].view(torch.int32), outs["ibp raw"].view(torch.int32)):
+            raise SystemExit("headroom: the raw tables' sums differ from the compressed tables'")
+        if not torch.allclose(outs["ibp"], outs["fbgemm"], rtol=1e-4, atol=1e-4):
+            raise SystemExit("headroom: ibp's sums differ from FBGEMM's")
+        timed = common.time_interleaved(fns, repeats=args.rounds, shuffle=True)
+    ids = [f[0] for f in batch.features]  # each table's ids
+    lines = {"ibp": float(np.mean([row_lines(t, i) for t, i in zip(tables, ids)])),
+             "ibp raw": float(np.mean([row_lines(t, i) for t, i in zip(raw, ids)]))}
+    lines["fbgemm"] = lines["ibp raw"]  # the same rows back to back, as the TBE stores them
+    fbgemm = np.asarray(timed["fbgemm"]["times_s"])
+    got = {name: {"median_ms": t["median_s"] * 1e3, "min_ms": t["min_s"] * 1e3,
+                  "speed_vs_fbgemm_median": float(np.median(fbgemm / np.asarray(t["times_s"]))),
+                  "lines_per_row": lines[name]}
+           for name, t in timed.items()}
+    label = (f"{args.dtype} d{args.dim} {args.init}, {len(ts.rows)} tables of {min(ts.rows)}-{max(ts.rows)} rows, "
+             f"W {args.word_bits} (compression {sum(t.raw_nbytes for t in tables) / sum(t.nbytes for t in tables):.3f}x); "
+             f"B{args.batch} x P{args.pooling} {'uniform' if args.dist == 'uniform' else f'Zipf {args.alpha:g}'}; "
+             f"1 thread; {args.rounds} rounds; load average {common.load_average()}")
+    print(label + "\n")
+    print(common.markdown_table(
+        ["system", "median ms", "min ms", "speed / FBGEMM's (median of rounds)", "lines a row spans"],
+        [[name, common.fmt(g["median_ms"], 3), common.fmt(g["min_ms"], 3),
+          common.fmt(g["speed_vs_fbgemm_median"], 3), common.fmt(g["lines_per_row"], 2)] for name, g in got.items()]))
+    config = {k: v for k, v in vars(args).items() if k != "results_dir"}
+    return common.save_runs("headroom", {**config, "label": label}, [got], args.results_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""benchmarks/headroom.py: compressed against raw tables and FBGEMM, on a tiny table set."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import headroom  # noqa: E402
+from ibp_embed import CompressedTable  # noqa: E402
+from ibp_embed.dtypes import as_rows  # noqa: E402
+
+TINY = ["--scale", "1e-6", "--min-rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "3", "--rounds", "3"]
+
+
+def test_times_the_three_systems_and_saves_them(tmp_path):
+    got = headroom.main([*TINY, "--dist", "uniform", "--results-dir", str(tmp_path)])
+    (run,) = got["runs"]
+    assert set(run) == set(headroom.SYSTEMS)
+    assert all(r["median_ms"] > 0 and r["speed_vs_fbgemm_median"] > 0 for r in run.values())
+    # 32-byte rows: a raw one lies in one line; packed ones cross lines and read the index
+    assert run["ibp raw"]["lines_per_row"] == 1.0 < run["ibp"]["lines_per_row"]
+    saved = json.loads(next(tmp_path.glob("headroom-*.json")).read_text())
+    assert "1000-1000 rows" in saved["config"]["label"] and saved["config"]["rounds"] == 3
+
+
+def test_refuses_raw_tables_whose_sums_differ(tmp_path, monkeypatch):
+    def other_rows(weights):  # the raw copies' rows (compress reads its own)
+        rows, dtype, dim = as_rows(weights)
+        rows = rows.copy()
+        rows[:, 2] ^= 0x40  # the top mantissa bit of each row's first float
+        return rows, dtype, dim
+
+    monkeypatch.setattr(headroom, "as_rows", other_rows)
+    with pytest.raises(SystemExit, match="raw tables' sums differ"):
+        headroom.main([*TINY, "--results-dir", str(tmp_path)])
+
+
+def test_row_lines_counts_where_rows_start():
+    # 48-byte rows at 0, 48, 96, 144: one, two, two and one line
+    rows, dtype, dim = as_rows(torch.zeros(4, 12))
+    raw = CompressedTable.raw(rows, dtype, dim)
+    assert headroom.row_lines(raw, np.arange(4)) == 1.5
+    assert headroom.row_lines(raw, np.array([0, 3, 3])) == 1.0
+
+
+@pytest.mark.parametrize("bad", [["--rounds", "0"], ["--scale", "0"], ["--alpha", "-1"]])
+def test_refuses_bad_options(bad):
+    with pytest.raises(SystemExit):
+        headroom.parse(bad)
