@@ -76,7 +76,9 @@ def main(argv=None) -> dict:
              "ibp raw": float(np.mean([row_lines(t, i) for t, i in zip(raw, ids)]))}
     lines["fbgemm"] = lines["ibp raw"]  # the same rows back to back, as the TBE stores them
     fbgemm = np.asarray(timed["fbgemm"]["times_s"])
+    lookups = int(batch.values.numel())
     got = {name: {"median_ms": t["median_s"] * 1e3, "min_ms": t["min_s"] * 1e3,
+                  "ns_per_lookup_median": t["median_s"] * 1e9 / lookups,
                   "speed_vs_fbgemm_median": float(np.median(fbgemm / np.asarray(t["times_s"]))),
                   "lines_per_row": lines[name]}
            for name, t in timed.items()}
@@ -86,8 +88,9 @@ def main(argv=None) -> dict:
              f"1 thread; {args.rounds} rounds; load average {common.load_average()}")
     print(label + "\n")
     print(common.markdown_table(
-        ["system", "median ms", "min ms", "speed / FBGEMM's (median of rounds)", "lines a row spans"],
-        [[name, common.fmt(g["median_ms"], 3), common.fmt(g["min_ms"], 3),
+        ["system", "median ms", "min ms", "ns a lookup (median)", "speed / FBGEMM's (median of rounds)",
+         "lines a row spans"],
+        [[name, common.fmt(g["median_ms"], 3), common.fmt(g["min_ms"], 3), common.fmt(g["ns_per_lookup_median"], 1),
           common.fmt(g["speed_vs_fbgemm_median"], 3), common.fmt(g["lines_per_row"], 2)] for name, g in got.items()]))
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     return common.save_runs("headroom", {**config, "label": label}, [got], args.results_dir)

@@ -21,6 +21,8 @@ def test_times_the_three_systems_and_saves_them(tmp_path):
     (run,) = got["runs"]
     assert set(run) == set(headroom.SYSTEMS)
     assert all(r["median_ms"] > 0 and r["speed_vs_fbgemm_median"] > 0 for r in run.values())
+    tiny_lookups = 15 * 32 * 3  # fifteen 1000-row tables, B32 x P3
+    assert all(r["ns_per_lookup_median"] == pytest.approx(r["median_ms"] * 1e6 / tiny_lookups) for r in run.values())
     # 32-byte rows: a raw one lies in one line; packed ones cross lines and read the index
     assert run["ibp raw"]["lines_per_row"] == 1.0 < run["ibp"]["lines_per_row"]
     saved = json.loads(next(tmp_path.glob("headroom-*.json")).read_text())
