@@ -121,14 +121,15 @@ def add_set_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
 
 
-def check_set_args(p: argparse.ArgumentParser, args, counts=("dim", "batch", "pooling")) -> None:
-    """p.error for set options (add_set_args) and `counts` out of range, before any table is made."""
+def check_set_args(p: argparse.ArgumentParser, args, counts: tuple) -> None:
+    """p.error for set options (add_set_args) and the options `counts` (at least 1) out of
+    range, before any table is made or build compiled."""
     for name in counts:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if not args.scale > 0:
         p.error("--scale must be positive")
-    if not args.alpha > 0:  # zipf_ids would say so, but only after the tables are made
+    if not args.alpha > 0:  # zipf_ids would say so, but only after the builds and tables are made
         p.error(f"--alpha must be positive, not {args.alpha:g}")
 
 

@@ -3,15 +3,18 @@
     python -m benchmarks.headroom --scale 0.05 --min-rows 10000 --dim 64 --dist uniform
 
 The raw tables (CompressedTable.raw) go through the same native lookup (its
-deduplication, windows, prefetches and pooling) but decode nothing, read no index and
-keep every row on whole cache lines, as FBGEMM's do: the gap between the two ibp rows
-is what the packed rows cost, and the raw row against FBGEMM's what the lookup's own
-machinery does. The lines a looked-up row spans are counted from the tables' layout
-(a compressed row's bytes from where it starts in its first line, plus its index entry
-where rows differ in length; 1 thread, the ids of the batch): a model of the memory a
-lookup reads, not a measurement. Each round times the three in its own order
-(common.round_orders); the outputs are checked first (the raw tables' sums bit for
-bit against the compressed ones', FBGEMM's to 1e-4). Results: a markdown table and
+deduplication, windows, prefetches and pooling) but decode nothing and read no index:
+the gap between the two ibp rows is what the packed rows cost, and the raw row against
+FBGEMM's what the lookup's own machinery does. Beside the times, the cache lines that a
+looked-up row's bytes span where they lie in memory (a packed row's from wherever it
+starts in its line), plus the line of its index entry where the table's rows differ in
+length (the block bases, 8 bytes a 64 rows, and the bytes a decode reads past a row are
+not counted); averaged over the batch's ids, repeats included (the lookup decodes each
+distinct id once): a model of what a lookup reads, not a measurement. Small tables that
+a call pools from a decoded copy (up to 1 MB raw, few ids a row: small batches) read
+neither layout. Each round times the three in its own order (common.round_orders); the
+outputs are checked first (the raw tables' sums bit for bit against the compressed
+ones', FBGEMM's to 1e-4). 1 thread. Results: a markdown table and
 benchmarks/results/headroom-<UTC time>.json.
 """
 from __future__ import annotations
@@ -33,13 +36,27 @@ from .lookup.workloads import Workload, make_batch
 SYSTEMS = ("fbgemm", "ibp", "ibp raw")
 
 
-def row_lines(table: CompressedTable, ids: np.ndarray) -> float:
-    """The mean cache lines the rows `ids` of table span (its payload starting on a line;
-    with the index entry's line where rows are not all one length)."""
+def lines_spanned(address: int, starts: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> float:
+    """The mean cache lines spanned by rows `ids`, row i's bytes at address + starts[i]
+    (lengths[i] of them)."""
+    lines = ((address + starts[ids]) % 64 + lengths[ids] + 63) // 64
+    return float(lines.mean())
+
+
+def table_lines(table: CompressedTable, ids: np.ndarray) -> float:
+    """lines_spanned of table's rows `ids` in its payload, plus the index entry's line where
+    the rows differ in length (libibp reads no index for raw tables and rows of one length)."""
     lengths = np.asarray(table.row_lengths(), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    lines = (starts[ids] % 64 + lengths[ids] + 63) // 64
-    return float(lines.mean() + (lengths.min() != lengths.max()))
+    return lines_spanned(table._payload.ctypes.data, starts, lengths, ids) + (lengths.min() != lengths.max())
+
+
+def tbe_lines(weights: torch.Tensor, ids: np.ndarray) -> float:
+    """lines_spanned of rows `ids` of one of FBGEMM's tables (its rows back to back)."""
+    row_bytes = weights.shape[1] * weights.element_size()
+    n = weights.shape[0]
+    return lines_spanned(weights.data_ptr(), np.arange(n, dtype=np.int64) * row_bytes,
+                         np.full(n, row_bytes, dtype=np.int64), ids)
 
 
 def parse(argv=None):
@@ -72,9 +89,9 @@ def main(argv=None) -> dict:
             raise SystemExit("headroom: ibp's sums differ from FBGEMM's")
         timed = common.time_interleaved(fns, repeats=args.rounds, shuffle=True)
     ids = [f[0] for f in batch.features]  # each table's ids
-    lines = {"ibp": float(np.mean([row_lines(t, i) for t, i in zip(tables, ids)])),
-             "ibp raw": float(np.mean([row_lines(t, i) for t, i in zip(raw, ids)]))}
-    lines["fbgemm"] = lines["ibp raw"]  # the same rows back to back, as the TBE stores them
+    lines = {"fbgemm": float(np.mean([tbe_lines(w, i) for w, i in zip(weights, ids)])),
+             "ibp": float(np.mean([table_lines(t, i) for t, i in zip(tables, ids)])),
+             "ibp raw": float(np.mean([table_lines(t, i) for t, i in zip(raw, ids)]))}
     fbgemm = np.asarray(timed["fbgemm"]["times_s"])
     lookups = int(batch.values.numel())
     got = {name: {"median_ms": t["median_s"] * 1e3, "min_ms": t["min_s"] * 1e3,

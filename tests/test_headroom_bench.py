@@ -23,8 +23,9 @@ def test_times_the_three_systems_and_saves_them(tmp_path):
     assert all(r["median_ms"] > 0 and r["speed_vs_fbgemm_median"] > 0 for r in run.values())
     tiny_lookups = 15 * 32 * 3  # fifteen 1000-row tables, B32 x P3
     assert all(r["ns_per_lookup_median"] == pytest.approx(r["median_ms"] * 1e6 / tiny_lookups) for r in run.values())
-    # 32-byte rows: a raw one lies in one line; packed ones cross lines and read the index
-    assert run["ibp raw"]["lines_per_row"] == 1.0 < run["ibp"]["lines_per_row"]
+    # 32-byte rows (in the model: the tiny tables are pooled from decoded copies): a raw
+    # one, or FBGEMM's, lies in one line; packed ones cross lines and read the index
+    assert run["fbgemm"]["lines_per_row"] == run["ibp raw"]["lines_per_row"] == 1.0 < run["ibp"]["lines_per_row"]
     saved = json.loads(next(tmp_path.glob("headroom-*.json")).read_text())
     assert "1000-1000 rows" in saved["config"]["label"] and saved["config"]["rounds"] == 3
 
@@ -41,12 +42,18 @@ def test_refuses_raw_tables_whose_sums_differ(tmp_path, monkeypatch):
         headroom.main([*TINY, "--results-dir", str(tmp_path)])
 
 
-def test_row_lines_counts_where_rows_start():
-    # 48-byte rows at 0, 48, 96, 144: one, two, two and one line
+def test_lines_count_where_rows_lie():
+    # 48-byte rows from a line's start: one, two, two and one line
+    starts, lengths = np.arange(4) * 48, np.full(4, 48)
+    assert headroom.lines_spanned(0, starts, lengths, np.arange(4)) == 1.5
+    assert headroom.lines_spanned(64 * 7, starts, lengths, np.array([0, 3, 3])) == 1.0
+    # the first row from 16 bytes into a line lies in it, from 32 it crosses into the next
+    assert headroom.lines_spanned(16, starts, lengths, np.array([0])) == 1.0
+    assert headroom.lines_spanned(32, starts, lengths, np.array([0])) == 2.0
     rows, dtype, dim = as_rows(torch.zeros(4, 12))
-    raw = CompressedTable.raw(rows, dtype, dim)
-    assert headroom.row_lines(raw, np.arange(4)) == 1.5
-    assert headroom.row_lines(raw, np.array([0, 3, 3])) == 1.0
+    raw = CompressedTable.raw(rows, dtype, dim)  # its payload starts on a line: no index read
+    assert headroom.table_lines(raw, np.arange(4)) == 1.5
+    assert headroom.tbe_lines(torch.zeros(4, 16), np.arange(4)) == 1.0  # torch's 64-byte aligned storage
 
 
 @pytest.mark.parametrize("bad", [["--rounds", "0"], ["--scale", "0"], ["--alpha", "-1"]])
