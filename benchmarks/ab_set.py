@@ -69,7 +69,7 @@ def make_set(args) -> tuple:
     """(the table set, its weights, FBGEMM's TBE over them or None where it has no kernel)."""
     rows = [n for n in criteo_rows(args.scale) if n >= args.min_rows]
     if not rows:
-        raise SystemExit(f"ab_set: no table of the set has {args.min_rows} rows or more")
+        raise SystemExit(f"no table of the set has {args.min_rows} rows or more (--min-rows)")
     ts = TableSet("ab_set", args.init, ab.DTYPES[args.dtype], [args.dim] * len(rows), rows)
     tbe, weights = set_weights(ts)
     return ts, weights, tbe

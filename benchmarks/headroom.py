@@ -36,11 +36,9 @@ from .lookup.workloads import Workload, make_batch
 SYSTEMS = ("fbgemm", "ibp", "ibp raw")
 
 
-def lines_spanned(address: int, starts: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> float:
-    """The mean cache lines spanned by rows `ids`, row i's bytes at address + starts[i]
-    (lengths[i] of them)."""
-    lines = ((address + starts[ids]) % 64 + lengths[ids] + 63) // 64
-    return float(lines.mean())
+def lines_spanned(address: int, starts: np.ndarray, lengths) -> float:
+    """The mean cache lines spanned by rows of `lengths` bytes at address + starts."""
+    return float((((address + starts) % 64 + lengths + 63) // 64).mean())
 
 
 def table_lines(table: CompressedTable, ids: np.ndarray) -> float:
@@ -48,15 +46,13 @@ def table_lines(table: CompressedTable, ids: np.ndarray) -> float:
     the rows differ in length (libibp reads no index for raw tables and rows of one length)."""
     lengths = np.asarray(table.row_lengths(), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    return lines_spanned(table._payload.ctypes.data, starts, lengths, ids) + (lengths.min() != lengths.max())
+    return lines_spanned(table._payload.ctypes.data, starts[ids], lengths[ids]) + (lengths.min() != lengths.max())
 
 
 def tbe_lines(weights: torch.Tensor, ids: np.ndarray) -> float:
     """lines_spanned of rows `ids` of one of FBGEMM's tables (its rows back to back)."""
     row_bytes = weights.shape[1] * weights.element_size()
-    n = weights.shape[0]
-    return lines_spanned(weights.data_ptr(), np.arange(n, dtype=np.int64) * row_bytes,
-                         np.full(n, row_bytes, dtype=np.int64), ids)
+    return lines_spanned(weights.data_ptr(), ids.astype(np.int64) * row_bytes, row_bytes)
 
 
 def parse(argv=None):

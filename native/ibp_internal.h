@@ -194,11 +194,12 @@ static inline void step_prefetch_line(step_prefetch *pf)
  * prefetch_lines has (see step_prefetch_line). The address is clamped (a CMOV): GCC
  * made a branch of a choice between the line and a spare one. The count is the
  * table's: a jump into straight prefetches (one the predictor learns), not a loop of
- * eight instructions a line, 40 a fp32 d64 row, a third of its decode's. Against the
- * loop (new rows in cache, 1 thread, benchmarks.ab decode-fresh, both orders and the
- * builds swapped; an Emerald Rapids Xeon): fp32 d64 0.87-0.92x the time, fp32 d128
- * 0.82-0.98x, trained-like fp32 d128 0.84-0.96x (W = 32: 0.82-0.87x), x86-64-v3 fp32
- * d64 0.90-0.99x; lookups into 101k rows 0.98-1.02x by the medians (Zipf ids: fp32
+ * eight instructions a line (40 a fp32 d64 row), where perf put a tenth of the packed
+ * rows' loop's samples (new fp32 d64 rows in cache). Against the loop (new rows in
+ * cache, 1 thread, benchmarks.ab decode-fresh, both orders and the builds swapped; an
+ * Emerald Rapids Xeon): fp32 d64 0.87-0.92x the time, fp32 d128 0.82-0.98x,
+ * trained-like fp32 d128 0.84-0.96x (W = 32, both orders in one process: 0.82-0.87x),
+ * x86-64-v3 fp32 d64 0.90-0.99x; lookups into 101k rows 0.98-1.02x by the medians (Zipf ids: fp32
  * d64, fp16 d64, trained-like fp32 d128; uniform: fp32 d64). */
 #define PREFETCH_LINE_K(k)                                                                                         \
     do {                                                                                                           \

@@ -44,12 +44,12 @@ def test_refuses_raw_tables_whose_sums_differ(tmp_path, monkeypatch):
 
 def test_lines_count_where_rows_lie():
     # 48-byte rows from a line's start: one, two, two and one line
-    starts, lengths = np.arange(4) * 48, np.full(4, 48)
-    assert headroom.lines_spanned(0, starts, lengths, np.arange(4)) == 1.5
-    assert headroom.lines_spanned(64 * 7, starts, lengths, np.array([0, 3, 3])) == 1.0
+    starts = np.arange(4) * 48
+    assert headroom.lines_spanned(0, starts, 48) == 1.5
+    assert headroom.lines_spanned(64 * 7, starts[[0, 3, 3]], 48) == 1.0
     # the first row from 16 bytes into a line lies in it, from 32 it crosses into the next
-    assert headroom.lines_spanned(16, starts, lengths, np.array([0])) == 1.0
-    assert headroom.lines_spanned(32, starts, lengths, np.array([0])) == 2.0
+    assert headroom.lines_spanned(16, starts[:1], 48) == 1.0
+    assert headroom.lines_spanned(32, starts[:1], 48) == 2.0
     rows, dtype, dim = as_rows(torch.zeros(4, 12))
     raw = CompressedTable.raw(rows, dtype, dim)  # its payload starts on a line: no index read
     assert headroom.table_lines(raw, np.arange(4)) == 1.5
@@ -60,3 +60,8 @@ def test_lines_count_where_rows_lie():
 def test_refuses_bad_options(bad):
     with pytest.raises(SystemExit):
         headroom.parse(bad)
+
+
+def test_says_when_no_table_is_large_enough(tmp_path):
+    with pytest.raises(SystemExit, match=r"no table of the set has 2000 rows or more \(--min-rows\)"):
+        headroom.main([*TINY, "--min-rows", "2000", "--results-dir", str(tmp_path)])
