@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ibp_embed
+from ibp_embed import CompressedTable
+from ibp_embed.dtypes import as_rows
 
 from helpers import LOOKUP_DTYPES, assert_bits_equal, every_isa, magnitude_clusters, random_bits, structured
 
@@ -313,6 +315,34 @@ def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, a
             bad[n // 2] = bad_id
             with pytest.raises(IndexError):
                 t.lookup(bad, off)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [5, 22, 47])
+@pytest.mark.parametrize("alpha,stored", [(None, "packed"), (1.05, "packed"), (None, "raw")])
+def test_lookup_pools_columns_past_whole_vectors_exactly(dtype, dim, alpha, stored):
+    """The columns past the last whole vector of 16 floats (AVX-512: masked loads, the sums
+    in a register) pool the bits the other kernel sets give, weighted and MEAN too, for bags
+    that go on across the lookup's windows of ids (300 ids a bag) and for short ones: ids
+    mostly distinct (decoded as they come), repeating (deduplicated), and from a raw table
+    larger than L2 (pooled from it with prefetches)."""
+    g = torch.Generator().manual_seed(dim)
+    n_rows = 50000
+    w = (torch.randn(n_rows, dim, generator=g) * 0.1).to(dtype)
+    t = ibp_embed.compress(w) if stored == "packed" else CompressedTable.raw(*as_rows(w))
+    rng = np.random.default_rng(dim)
+    n = 6000
+    idx = torch.from_numpy(rng.integers(0, n_rows, n) if alpha is None else rng.zipf(1 + alpha, n) % n_rows)
+    off = torch.tensor([0, 300, 301, 320, 3000, 3003, n])  # long bags, short ones, one of a single id
+    psw = torch.rand(n, generator=g) * 3
+    outs = [[t.lookup(idx, off, psw, mode=m) for m in ("sum", "mean")] + [t.lookup(idx, off, mode="mean")]
+            for _ in every_isa()]
+    for got in outs[1:]:
+        for a, b in zip(got, outs[0]):
+            assert_bits_equal(a, b)
+    # and against torch, unweighted float32 sums in the same order: bit for bit
+    if dtype == torch.float32:
+        assert torch.equal(t.lookup(idx, off), F.embedding_bag(idx, w, off[:-1], mode="sum"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
