@@ -203,8 +203,8 @@ def test_lookup_row_cache_collisions_and_repeats(n_rows, dim, n):
     tables, hashed slots otherwise; large calls into large tables deduplicate
     instead) and resolve ids in windows before pooling them: ids that evict each
     other (more distinct rows than slots: 1500 ids get 1024 slots), hot repeats,
-    bags longer than a window, empty bags and row widths with a scalar tail must
-    all pool exactly."""
+    bags longer than a window, empty bags and row widths past the last whole vector
+    must all pool exactly."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(n_rows, dim, generator=g) * 0.01
     t = ibp_embed.compress(w)
@@ -318,11 +318,12 @@ def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("dim", [5, 22, 47])
+@pytest.mark.parametrize("dim", [5, 17, 22, 47])
 @pytest.mark.parametrize("alpha,stored", [(None, "packed"), (1.05, "packed"), (None, "raw")])
 def test_lookup_pools_columns_past_whole_vectors_exactly(dtype, dim, alpha, stored):
-    """The columns past the last whole vector of 16 floats (AVX-512: masked loads, the sums
-    in a register) pool the bits the other kernel sets give, weighted and MEAN too, for bags
+    """The columns past the last whole vector (of 16 floats on AVX-512, 8 on AVX2: masked
+    loads, the sums in a register; tails of 1 to 15 columns, odd and even) pool the bits
+    the generic kernels give, plain and weighted, SUM and MEAN, for bags
     that go on across the lookup's windows of ids (300 ids a bag) and for short ones: ids
     mostly distinct (decoded as they come), repeating (deduplicated), and from a raw table
     larger than L2 (pooled from it with prefetches)."""
@@ -335,8 +336,7 @@ def test_lookup_pools_columns_past_whole_vectors_exactly(dtype, dim, alpha, stor
     idx = torch.from_numpy(rng.integers(0, n_rows, n) if alpha is None else rng.zipf(1 + alpha, n) % n_rows)
     off = torch.tensor([0, 300, 301, 320, 3000, 3003, n])  # long bags, short ones, one of a single id
     psw = torch.rand(n, generator=g) * 3
-    outs = [[t.lookup(idx, off, psw, mode=m) for m in ("sum", "mean")] + [t.lookup(idx, off, mode="mean")]
-            for _ in every_isa()]
+    outs = [[t.lookup(idx, off, p, mode=m) for p in (None, psw) for m in ("sum", "mean")] for _ in every_isa()]
     for got in outs[1:]:
         for a, b in zip(got, outs[0]):
             assert_bits_equal(a, b)
