@@ -200,7 +200,11 @@ static inline void step_prefetch_line(step_prefetch *pf)
  * Emerald Rapids Xeon): fp32 d64 0.87-0.92x the time, fp32 d128 0.82-0.98x,
  * trained-like fp32 d128 0.84-0.96x (W = 32, both orders in one process: 0.82-0.87x),
  * x86-64-v3 fp32 d64 0.90-0.99x; lookups into 101k rows 0.98-1.02x by the medians (Zipf ids: fp32
- * d64, fp16 d64, trained-like fp32 d128; uniform: fp32 d64). */
+ * d64, fp16 d64, trained-like fp32 d128; uniform: fp32 d64). The lines go from the
+ * last to the first (the cases fall through downwards); from the first to the last,
+ * new fp32 d64 rows in cache took 1.01-1.05x the time (trained-like fp32 d128
+ * 1.00-1.04x) and Zipf lookups into 101k fp32 d64 rows 0.99-1.00x (the same host and
+ * method). */
 #define PREFETCH_LINE_K(k)                                                                                         \
     do {                                                                                                           \
         const uint64_t at = a + 64 * (k) < last ? a + 64 * (k) : last;                                             \
