@@ -47,7 +47,7 @@ def plan(args) -> list[tuple[TableSet, list[Workload]]]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.lookup", description=sys.modules[__package__].__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small subset (under 2 minutes on 2 cores)")
-    p.add_argument("--scale", type=float, help="Criteo Kaggle cardinality scale (default 0.05; --quick 0.01)")
+    p.add_argument("--scale", type=float, help="Criteo Kaggle cardinality scale (default 0.03; --quick 0.01)")
     p.add_argument("--dims", default="128,64")
     p.add_argument("--dtypes", default="fp32,fp16,bf16")
     p.add_argument("--inits", default="torchrec,trained")
