@@ -2,11 +2,13 @@
 
     python -m benchmarks.per_table                         # fp32 d128, Zipf and uniform
     python -m benchmarks.per_table --dtype float16 --dim 384 --dist zipf
+    python -m benchmarks.per_table --scale 0.03 --min-rows 10000   # make bench's large tables
 
 `benchmarks.lookup` times whole table sets (26 tables in one call); its ratio mixes
 tables of a hundred rows with tables of a hundred thousand. Here each table size of
-the quick set (Criteo Kaggle cardinalities x 0.01, the distinct sizes from 105 rows up)
-is looked up alone: one B x P batch (default B4096 x P20, as the lookup benchmark's
+a set (by default the quick set: Criteo Kaggle cardinalities x 0.01, the distinct sizes
+from 105 rows up; `--scale` and `--min-rows` pick another, as benchmarks.lookup scales
+its sets) is looked up alone: one B x P batch (default B4096 x P20, as the lookup benchmark's
 center) into one table, ibp's `lookup_many` (the native call the IBP collection runs)
 against FBGEMM's TBE (HOST) with the same weights, 1 thread, calls interleaved
 (common.time_interleaved). Outputs are checked against the TBE's first (float32:
@@ -38,7 +40,11 @@ def parse(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dist", default="zipf,uniform", help="comma-separated, of zipf, uniform")
-    p.add_argument("--rows", help="comma-separated table sizes (default: the quick set's from 105 rows)")
+    p.add_argument("--rows", help="comma-separated table sizes (default: the set's, see --scale)")
+    p.add_argument("--scale", type=float, help="the sizes of the set at this Criteo Kaggle cardinality scale "
+                   "(default 0.01, the quick set; make bench's is 0.03)")
+    p.add_argument("--min-rows", type=int, default=100, help="of the set's sizes, those of at least this many "
+                   "rows (default 100)")
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
@@ -47,14 +53,20 @@ def parse(argv=None):
     args.dists = args.dist.split(",")
     if any(d not in ("zipf", "uniform") for d in args.dists):
         p.error(f"--dist takes zipf and uniform, not {args.dist!r}")
+    if args.rows and args.scale is not None:
+        p.error("--rows and --scale each choose the tables: give one")
+    if args.scale is not None and not 0 < args.scale <= 1:
+        p.error(f"--scale must be in (0, 1], not {args.scale}")
     try:
         args.sizes = ([int(n) for n in args.rows.split(",")] if args.rows else
-                      sorted({n for n in criteo_rows(0.01) if n >= 100}))
+                      sorted({n for n in criteo_rows(args.scale or 0.01) if n >= args.min_rows}))
     except ValueError:
         p.error(f"--rows takes comma-separated integers, not {args.rows!r}")
     for name in ("dim", "batch", "pooling", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    if not args.sizes:
+        p.error(f"no table of the set has {args.min_rows} rows or more")
     if min(args.sizes) < 1:
         p.error("--rows: every table needs a row")
     return args

@@ -33,7 +33,17 @@ def test_a_wrong_sum_stops_it(tmp_path, monkeypatch):
 
 
 def test_bad_arguments():
-    for bad in (["--dist", "normal"], ["--dim", "0"], ["--rows", "0"], ["--rows", "1k"], ["--repeats", "0"]):
+    for bad in (["--dist", "normal"], ["--dim", "0"], ["--rows", "0"], ["--rows", "1k"], ["--repeats", "0"],
+                ["--scale", "0"], ["--scale", "2"], ["--scale", "0.03", "--rows", "50"],
+                ["--min-rows", "100000000"]):
         with pytest.raises(SystemExit):
             per_table.parse(bad)
     assert per_table.parse([]).sizes[0] == 105 and torch.float16 in per_table.DTYPES.values()
+
+
+def test_a_scale_picks_that_sets_tables():
+    """--scale / --min-rows pick the sizes benchmarks.lookup's set of that scale has."""
+    from benchmarks.lookup.tables import criteo_rows
+    got = per_table.parse(["--scale", "0.03", "--min-rows", "10000"]).sizes
+    assert got == sorted(n for n in set(criteo_rows(0.03)) if n >= 10000)
+    assert got[-1] == 303937 and len(got) == 5 and got[0] >= 10000
