@@ -43,8 +43,8 @@ def parse(argv=None):
     p.add_argument("--rows", help="comma-separated table sizes (default: the set's, see --scale)")
     p.add_argument("--scale", type=float, help="the sizes of the set at this Criteo Kaggle cardinality scale "
                    "(default 0.01, the quick set; make bench's is 0.03)")
-    p.add_argument("--min-rows", type=int, default=100, help="of the set's sizes, those of at least this many "
-                   "rows (default 100)")
+    p.add_argument("--min-rows", type=int, help="of the set's sizes, those of at least this many rows "
+                   "(default 100)")
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
@@ -53,8 +53,9 @@ def parse(argv=None):
     args.dists = args.dist.split(",")
     if any(d not in ("zipf", "uniform") for d in args.dists):
         p.error(f"--dist takes zipf and uniform, not {args.dist!r}")
-    if args.rows and args.scale is not None:
-        p.error("--rows and --scale each choose the tables: give one")
+    if args.rows and (args.scale is not None or args.min_rows is not None):
+        p.error("--rows chooses the tables itself: not with --scale or --min-rows")
+    args.min_rows = 100 if args.min_rows is None else args.min_rows
     if args.scale is not None and not 0 < args.scale <= 1:
         p.error(f"--scale must be in (0, 1], not {args.scale}")
     try:

@@ -247,10 +247,19 @@ static inline void prefetch_lines_fixed(const uint8_t *payload, uint64_t start, 
  * builds in both positions), 0.87-1.09x in another (the position effect), noise in
  * processes of their own. */
 #define IBP_FIXED_PREFETCH_BYTES 512
+
+/* The prefetches prefetch_lines_fixed takes for a row of up to R bytes and the `over`
+ * bytes read past it, from anywhere in a line; 0 where rows are longer than
+ * IBP_FIXED_PREFETCH_BYTES (prefetch_lines' loop then). */
+static inline uint32_t fixed_prefetch_lines(uint64_t R, uint64_t over)
+{
+    return R <= IBP_FIXED_PREFETCH_BYTES ? (uint32_t)((R + over + 63) / 64 + 1) : 0;
+}
+
 static inline void prefetch_row(const uint8_t *payload, uint64_t start, uint64_t len, uint64_t R, int l2)
 {
     if (R <= IBP_FIXED_PREFETCH_BYTES)
-        prefetch_lines_fixed(payload, start, len, (uint32_t)((R + 63) / 64 + 1), l2);
+        prefetch_lines_fixed(payload, start, len, fixed_prefetch_lines(R, 0), l2);
     else
         prefetch_lines(payload, start, len, l2);
 }

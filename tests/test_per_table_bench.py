@@ -34,7 +34,7 @@ def test_a_wrong_sum_stops_it(tmp_path, monkeypatch):
 
 def test_bad_arguments():
     for bad in (["--dist", "normal"], ["--dim", "0"], ["--rows", "0"], ["--rows", "1k"], ["--repeats", "0"],
-                ["--scale", "0"], ["--scale", "2"], ["--scale", "0.03", "--rows", "50"],
+                ["--scale", "0"], ["--scale", "2"], ["--scale", "0.03", "--rows", "50"], ["--min-rows", "10", "--rows", "50"],
                 ["--min-rows", "100000000"]):
         with pytest.raises(SystemExit):
             per_table.parse(bad)
