@@ -18,6 +18,8 @@ modes, one to three tables a call. Each case checks:
   multiply-adds, a reciprocal);
 - one table's `lookup` bit for bit equal to its columns of `lookup_many`;
 - an id past the table's end, or negative, raises IndexError.
+Outputs are allocated poisoned (helpers.every_isa), so an element a kernel leaves
+unwritten fails as well.
 
 Small tables are pooled from a decoded copy (PackedJobs), made once under the first
 kernel set: the others' decoders meet those tables through `gather` and `lookup`.
@@ -31,6 +33,7 @@ decode path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import traceback
@@ -38,8 +41,9 @@ import traceback
 import numpy as np
 import torch
 
+from helpers import every_isa
 from ibp_embed import batched, codec, datasets
-from ibp_embed._native import lib, runnable_kernel_sets
+from ibp_embed._native import KERNEL_SETS, lib, runnable_kernel_sets
 
 DIMS = (1, 2, 3, 7, 8, 16, 24, 31, 32, 48, 63, 64, 96, 100, 128, 192, 256, 384, 400)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -99,13 +103,14 @@ def mismatch(out: np.ndarray, ref: np.ndarray, exact_cols: np.ndarray) -> np.nda
 
 
 def one_case(seed: int, kernel_sets: dict) -> str | None:
-    """Runs case `seed` on kernel_sets ({name: IBP_ISA_*}); returns what failed, or None.
-    libibp's kernel set and thread count are as before when it returns."""
-    isa, threads = lib.ibp_isa(), lib.ibp_get_num_threads()
+    """Runs case `seed` on kernel_sets ({name: IBP_ISA_*}, of those this CPU runs); returns
+    what failed, or None. libibp's kernel set and thread count are as before when it
+    returns (the kernel set through helpers.every_isa, which also poisons the outputs
+    each set's calls allocate, so that an element a kernel leaves unwritten fails)."""
+    threads = lib.ibp_get_num_threads()
     try:
         return _case(seed, kernel_sets)
     finally:
-        lib.ibp_set_isa(isa)
         lib.ibp_set_num_threads(threads)
 
 
@@ -136,23 +141,26 @@ def _case(seed: int, kernel_sets: dict) -> str | None:
     gathered = [torch.from_numpy(rng.integers(0, t.shape[0], min(5000, 3 * t.shape[0]))) for t in tables]
     ref = torch.cat([reference(*a) for a in zip(rows, ids, offsets, weights, modes)], dim=1).numpy()
     exact = np.concatenate([np.full(t.shape[1], m == "sum" and w is None) for t, m, w in zip(tables, modes, weights)])
-    for name, isa in kernel_sets.items():
-        lib.ibp_set_isa(isa)
-        for k, (t, r, pick) in enumerate(zip(tables, rows, gathered)):
-            if not torch.equal(_bits(t.gather(pick)), _bits(r[pick])):
-                return f"table {k}'s gather differs from its bits ({name}; {what})"
-        for threads in (1, 2):
-            lib.ibp_set_num_threads(threads)
-            where = f"{name}, {threads} thread" + ("s" if threads > 1 else "")
-            out = batched.lookup_many(tables, ids, offsets, per_sample_weights=weights, mode=modes)
-            bad = mismatch(out.numpy(), ref, exact)
-            if len(bad):
-                return f"lookup_many ({where}) differs at {bad[:3].tolist()} ({what})"
-            k = int(picks.integers(n_tables))
-            c0 = sum(t.shape[1] for t in tables[:k])
-            one = tables[k].lookup(ids[k], offsets[k], per_sample_weights=weights[k], mode=modes[k])
-            if not torch.equal(_bits(one), _bits(out[:, c0:c0 + tables[k].shape[1]].contiguous())):
-                return f"table {k}'s lookup differs from lookup_many ({where}; {what})"
+    names = {isa: name for name, isa in KERNEL_SETS.items() if name in kernel_sets}
+    with contextlib.closing(every_isa()) as isas:
+        for isa in isas:
+            if isa not in names:
+                continue
+            for k, (t, r, pick) in enumerate(zip(tables, rows, gathered)):
+                if not torch.equal(_bits(t.gather(pick)), _bits(r[pick])):
+                    return f"table {k}'s gather differs from its bits ({names[isa]}; {what})"
+            for threads in (1, 2):
+                lib.ibp_set_num_threads(threads)
+                where = f"{names[isa]}, {threads} thread" + ("s" if threads > 1 else "")
+                out = batched.lookup_many(tables, ids, offsets, per_sample_weights=weights, mode=modes)
+                bad = mismatch(out.numpy(), ref, exact)
+                if len(bad):
+                    return f"lookup_many ({where}) differs at {bad[:3].tolist()} ({what})"
+                k = int(picks.integers(n_tables))
+                c0 = sum(t.shape[1] for t in tables[:k])
+                one = tables[k].lookup(ids[k], offsets[k], per_sample_weights=weights[k], mode=modes[k])
+                if not torch.equal(_bits(one), _bits(out[:, c0:c0 + tables[k].shape[1]].contiguous())):
+                    return f"table {k}'s lookup differs from lookup_many ({where}; {what})"
     k = int(rng.integers(n_tables))
     if ids[k].numel():
         bad_ids = ids[k].clone()
@@ -192,6 +200,10 @@ def main(argv=None) -> int:
     p.add_argument("--cases", type=int, help="how many cases (default: until --minutes)")
     p.add_argument("--minutes", type=float, default=None, help="how long (default 5 without --cases)")
     a = p.parse_args(argv)
+    if a.cases is not None and a.cases < 1:
+        p.error(f"--cases must be at least 1, not {a.cases}")
+    if a.minutes is not None and not a.minutes > 0:
+        p.error(f"--minutes must be more than 0, not {a.minutes}")
     minutes = a.minutes if a.minutes is not None or a.cases is not None else 5.0
     return 1 if run(a.seed, a.cases, None if minutes is None else 60 * minutes) else 0
 

@@ -80,3 +80,9 @@ def test_an_id_out_of_range_that_raises_nothing_is_reported(monkeypatch):
     monkeypatch.setattr(batched, "lookup_many", silent)
     problem = fuzz_lookups.one_case(7, dict(list(runnable_kernel_sets().items())[:1]))
     assert problem is not None and problem.startswith("an id out of table") and "seed 7:" in problem
+
+
+@pytest.mark.parametrize("bad", [["--cases", "0"], ["--cases", "-3"], ["--minutes", "0"], ["--minutes", "-1"]])
+def test_bad_arguments(bad):
+    with pytest.raises(SystemExit):
+        fuzz_lookups.main(bad)
