@@ -522,7 +522,7 @@ def main(argv=None) -> int:
     if not args.no_json:
         path = common.write_json({"benchmark": "codec", "params": params, "results": results,
                                   "targets": targets, "markdown": text}, "codec", stamp)
-        print(f"\nresults: {path.relative_to(common.ROOT)}")
+        print(f"\nresults: {common.shown(path)}")
     return 0
 
 

@@ -239,6 +239,12 @@ def _jsonable(x):
     return x
 
 
+def shown(path: Path) -> Path:
+    """A path as a report prints it: relative to the repository where it lies in it."""
+    path = Path(path).resolve()
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def write_json(obj: dict, name: str, stamp: str | None = None, results_dir: Path = RESULTS_DIR) -> Path:
     """Write obj to results_dir/<name>-<UTC stamp>.json (written whole, then renamed)."""
     results_dir.mkdir(parents=True, exist_ok=True)

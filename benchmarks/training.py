@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     print(common.markdown_table(HEADERS, rows))
     path = common.write_json({"machine": common.machine_info(), "args": vars(a), "rows": rows,
                               "headers": HEADERS, "runs": runs}, "training")
-    print(f"results: {path.relative_to(common.ROOT)}")
+    print(f"results: {common.shown(path)}")
     return 0
 
 

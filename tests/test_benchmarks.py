@@ -17,6 +17,8 @@ import ibp_embed  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks import lookup as L  # noqa: E402
 from benchmarks.lookup.cli import plan  # noqa: E402
+from benchmarks.lookup import targets as issue11  # noqa: E402
+from benchmarks.lookup.names import BATCHED, COLLECTION  # noqa: E402
 
 
 def test_host_bytes_model_by_hand():
@@ -120,6 +122,16 @@ def test_harness_tiny(tmp_path, dtype):
     params = {"started_utc": "x", "machine": common.machine_info(), "threads": 1, "load_average_start": "0",
               "scale": 1.0, "repeats": 1, "batches": 1, "zipnn_version": None}
     targets = L.check_targets([res], params["machine"])
+    if dtype == torch.float32:  # issue 11's report reads what run_table_set wrote
+        judged = issue11.combine([{"params": params, "results": [res]}])
+        assert [(r["table_set"], r["workload"]) for r in judged["rows"]] == [(res["label"], w.name) for w in works]
+        for r, w in zip(judged["rows"], res["workloads"]):
+            assert r["lookup_many"] == w["systems"][BATCHED]["ibp_vs_fbgemm_throughput_ratio"]
+            assert r["ebc"] == w["systems"][COLLECTION]["ibp_vs_fbgemm_throughput_ratio"]
+            assert r["lookup_many_line"] == (0.8 if w["alpha"] is None else 1.0)
+    else:  # FBGEMM pools no bf16: nothing to judge, and said so
+        with pytest.raises(ValueError, match="no `lookup_many` ratio"):
+            issue11.combine([{"params": params, "results": [res]}])
     text = L.report([res], params) + "\n" + L.format_targets(targets)
     assert "Targets (issue 5)" in text and "tiny" not in text  # rows are labelled by kind, not name
     path = common.write_json({"results": [res], "targets": targets}, "lookup-test", results_dir=tmp_path)

@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 
 from .. import common
 from .codec_sizes import zipnn_available
@@ -63,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--no-zipnn", action="store_true", help="skip zipnn even if installed")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-json", action="store_true", help="write neither the JSON nor the PNG")
+    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR,
+                   help="where the JSON and the PNG go (default benchmarks/results)")
     a = p.parse_args(argv)
     for name in ("batches", "repeats", "codec_sample"):  # 0 read as "unset" before; a round's ratio needs a round
         if getattr(a, name) is not None and getattr(a, name) < 1:
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
-    params = {k: v for k, v in vars(args).items() if k not in ("no_json",)}
+    params = {k: v for k, v in vars(args).items() if k not in ("no_json", "results_dir")}
     params.update(steady_allocations=common.steady_allocations(),
                   started_utc=stamp, machine=common.machine_info(), load_average_start=common.load_average(),
                   zipnn_version=None if args.no_zipnn else zipnn_available(),
@@ -126,15 +129,23 @@ def main(argv=None) -> int:
             results.append(r)
     params["load_average_end"] = common.load_average()
     params["wall_s"] = time.perf_counter() - t_start
+    # Imported here: this package's __init__ imports cli, and a module it imports at its top
+    # is loaded before `python -m benchmarks.lookup.targets` runs it as __main__.
+    from . import targets as issue11
+
     targets = check_targets(results, params["machine"])
-    text = report(results, params) + "\n" + format_targets(targets) + \
+    try:
+        judged = issue11.combine([{"params": params, "results": results}])
+        judged_text = issue11.format_issue11(judged)
+    except ValueError as e:  # a run of bf16 sets only has no pair; the run itself is kept
+        judged, judged_text = {"error": str(e)}, f"### Issue 11's targets: not judged ({e})"
+    text = report(results, params) + "\n" + format_targets(targets) + "\n\n" + judged_text + \
         f"\n\nWall time {params['wall_s']:.0f} s; load average at the end {params['load_average_end']}."
     print(text)
     if not args.no_json:
         path = common.write_json({"benchmark": "lookup", "params": params, "results": results, "targets": targets,
-                                  "markdown": text}, "lookup", stamp)
-        png = plot(results, common.RESULTS_DIR / f"lookup-{stamp}.png")
-        print(f"\nresults: {path.relative_to(common.ROOT)}" +
-              (f", plot: {png.relative_to(common.ROOT)}" if png else ""))
+                                  "issue11_targets": judged, "markdown": text}, "lookup", stamp, args.results_dir)
+        png = plot(results, args.results_dir / f"lookup-{stamp}.png")
+        print(f"\nresults: {common.shown(path)}" + (f", plot: {common.shown(png)}" if png else ""))
     return 0
 

@@ -12,6 +12,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_SHORT = {v: k for k, v in DTYPES.items()}
 INIT_LABEL = {"torchrec": "torchrec init", "trained": "trained-like", "dir": "trained (dir)"}
 BATCHED = "ibp lookup_many W64 K1"  # every feature in one native call, as the TBE's forward
+COLLECTION = "ibp EBC W64 K1"  # the IBP collection paired with TorchRec's fused EBC
 EBC_VARIANTS = ((64, 1), (64, 4))
 
 

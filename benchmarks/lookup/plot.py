@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .names import FBGEMM, TORCHREC
+from .names import COLLECTION, FBGEMM, HEADLINE, TORCHREC
 from .workloads import CENTER
 
 
@@ -22,7 +22,7 @@ def plot(results, path: Path) -> Path | None:
     fig, axes = plt.subplots(2, 2, figsize=(16, 11))
     # (a) ratio vs FBGEMM per table set, center workload
     ax = axes[0][0]
-    labels, series = [], {s: [] for s in ("ibp lookup W64 K1", "ibp lookup W32 K1", "ibp EBC W64 K1")}
+    labels, series = [], {s: [] for s in (HEADLINE, "ibp lookup W32 K1", COLLECTION)}
     for r in results:
         w = next((w for w in r["workloads"] if w["workload"] == CENTER.name), None)
         if w is None or FBGEMM not in w["systems"]:
@@ -43,7 +43,7 @@ def plot(results, path: Path) -> Path | None:
     ax = axes[0][1]
     swept = next((r for r in results if len(r["workloads"]) > 2), results[0])
     names = [w["workload"] for w in swept["workloads"]]
-    sys_names = [s for s in (FBGEMM, TORCHREC, "ibp lookup W64 K1", "ibp EBC W64 K1")
+    sys_names = [s for s in (FBGEMM, TORCHREC, HEADLINE, COLLECTION)
                  if s in swept["workloads"][0]["systems"]]
     x = np.arange(len(names))
     wdt = 0.8 / max(len(sys_names), 1)

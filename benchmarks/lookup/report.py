@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import common
-from .names import BATCHED, FBGEMM, HEADLINE, TORCH_RAW, TORCHREC
+from .names import BATCHED, COLLECTION, FBGEMM, HEADLINE, TORCH_RAW, TORCHREC
 from .workloads import CENTER
 
 
@@ -79,8 +79,8 @@ def report(results, params) -> str:
              "(HOST); ibp EBC = IBPEmbeddingBagCollection, paired with torchrec FusedEBC over the same TBE. `-`: "
              "FBGEMM has no CPU bf16 kernel.")
     L.append("")
-    sys_cols = [FBGEMM, TORCHREC, TORCH_RAW, "ibp lookup W64 K1", "ibp lookup W32 K1", "ibp lookup W64 K4",
-                BATCHED, "ibp EBC W64 K1"]
+    sys_cols = [FBGEMM, TORCHREC, TORCH_RAW, HEADLINE, "ibp lookup W32 K1", "ibp lookup W64 K4",
+                BATCHED, COLLECTION]
     heads = ["table set", "workload"] + sys_cols + ["pooled out GB/s (fbgemm / ibp W64 K1)"]
     rows = []
     for r in results:
@@ -104,7 +104,7 @@ def report(results, params) -> str:
     L += [common.markdown_table(heads, rows), ""]
 
     # ---- how far the rounds' ratios spread
-    spread_cols = [BATCHED, "ibp EBC W64 K1"]
+    spread_cols = [BATCHED, COLLECTION]
     L.append("### Ratio vs the FBGEMM pair, round by round: median (lowest - highest)")
     L.append("")
     rows = []
@@ -126,7 +126,7 @@ def report(results, params) -> str:
                  "once at its stored length plus its offsets-index entries. M lookups/s and ratio vs the pair.")
         L.append("")
         heads = ["workload", "distinct ids", "UVM MiB/batch", "ibp MiB/batch (W64 K1)", "UVM / ibp",
-                 FBGEMM, "ibp lookup W64 K1", TORCHREC, "ibp EBC W64 K1", "out GB/s fbgemm / ibp"]
+                 FBGEMM, HEADLINE, TORCHREC, COLLECTION, "out GB/s fbgemm / ibp"]
         rows = []
         for w in r["workloads"]:
             s, mo = w["systems"], w["host_bytes_per_batch_model"]
@@ -137,7 +137,7 @@ def report(results, params) -> str:
                 return "-" if e is None else _paired(e)
             rows.append([w["workload"], f"{100 * mo['distinct_fraction']:.0f}%", f"{mo['fbgemm UVM'] / 2**20:.1f}",
                          f"{mo['ibp W64 K1'] / 2**20:.1f}", f"{mo['fbgemm UVM'] / mo['ibp W64 K1']:.2f}",
-                         _mlps(fb), rc("ibp lookup W64 K1"), _mlps(s.get(TORCHREC)), rc("ibp EBC W64 K1"),
+                         _mlps(fb), rc(HEADLINE), _mlps(s.get(TORCHREC)), rc(COLLECTION),
                          (f"{fb['pooled_output_gbps']:.2f} / " if fb else "- / ")
                          + f"{s['ibp lookup W64 K1']['pooled_output_gbps']:.2f}"])
         L += [common.markdown_table(heads, rows), ""]
@@ -168,10 +168,10 @@ def check_targets(results, machine) -> dict:
                     t1.append({"table_set": r["label"], "llc_multiple": r["raw_bytes"] / llc if llc else None,
                                "threads": w["threads"], "headline": w["ibp_vs_fbgemm_throughput_ratio"],
                                "best_system": best, "best": ratios.get(best) if best else None,
-                               "module_ratio": ratios.get("ibp EBC W64 K1"),
+                               "module_ratio": ratios.get(COLLECTION),
                                "all_threads": None if mt is None else {
                                    "threads": mt["threads"], "headline": mt["ibp_vs_fbgemm_throughput_ratio"],
-                                   "module_ratio": mt["ibp_vs_fbgemm_throughput_ratios"].get("ibp EBC W64 K1")}})
+                                   "module_ratio": mt["ibp_vs_fbgemm_throughput_ratios"].get(COLLECTION)}})
     t2 = []
     for r in results:
         ratio = r["ibp"]["W64 K1"]["ratio"]
