@@ -35,7 +35,7 @@ benchmarks/results/ab-<UTC time>.json.
 
 Apart from the order there is the position: a build timed against itself
 (`python -m benchmarks.ab X.so X.so`) put B 1.01-1.03x behind A on fp16 d64 lookups and
-1.08-1.17x on fp16 d384 ones (one process, 2026-12-03, the Xeon of the README), in
+1.08-1.17x on fp16 d384 ones (one process, 2026-12-03, the Sapphire Rapids Xeon of docs/benchmarks.md), in
 both orders. Where a change's effect is that small, time it with the builds swapped as
 well: `--swapped` runs every measure again in a second process that loads B first and
 prints those rows as `<measure> swapped` (B / A still the second build against the

@@ -156,7 +156,7 @@ def fresh_orders(ids: np.ndarray, n: int = FRESH_ORDERS, seed: int = 0) -> list[
     """n random orders of ids, one for each call of a decode benchmark in turn. Rows
     decoded in the same order every call let the CPU's branch predictor learn every
     row's branches, which a lookup's rows (others in every batch) never allow: on the
-    Zen 4 of the README, 1,000 fp32 d64 rows in cache took 14.6 ns a row in one order,
+    Zen 4 of docs/benchmarks.md, 1,000 fp32 d64 rows in cache took 14.6 ns a row in one order,
     24.5 in a new order every call, and 24.8 as other rows every call (W = 64)."""
     rng = np.random.default_rng(seed)
     return [np.ascontiguousarray(ids[rng.permutation(ids.size)]) for _ in range(n)]

@@ -9,11 +9,14 @@ FBGEMM's TBE scaled that well in the same run (on other thread counts the speedu
 reported, not judged). bf16 sets, which FBGEMM's CPU kernel does not pool, have no pair
 and are left out.
 
-A single run moves a set's ratio by up to 0.1x (the host's phases), so several runs are
+A single run moves a set's ratio by 0.1x and more (the host's phases), so several runs are
 combined by the median of each run's ratio (itself the median of its rounds), and the
 verdict is the median's:
 
-    python -m benchmarks.lookup.targets benchmarks/results/lookup-2026*.json
+    python -m benchmarks.lookup.targets RUN1.json RUN2.json RUN3.json
+
+(each a benchmarks/results/lookup-*.json of the same command; runs of other tables,
+batches or threads are refused).
 """
 from __future__ import annotations
 
