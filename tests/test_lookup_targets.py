@@ -135,3 +135,31 @@ def test_command_line_refuses_what_is_not_a_run(tmp_path, capsys, content, messa
     with pytest.raises(SystemExit) as e:
         T.main([str(bad), "--no-json"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_runs_option_writes_each_run_and_judges_their_median(tmp_path, monkeypatch, capsys):
+    """`python -m benchmarks.lookup --runs 3`: the runs' JSONs and one report over them (the
+    timing itself stubbed out: a run of the real sets takes minutes)."""
+    from benchmarks.lookup import cli
+
+    speeds = iter([(0.9, 0.7), (1.1, 0.9), (1.0, 0.85)])  # (Zipf, uniform) ratios of the three runs
+    stamps = iter(["s1", "s2", "s3", "s4"])
+    monkeypatch.setattr(cli, "run_table_set", lambda ts, works, args, log: {
+        **_run("-", *next(speeds))["results"][0], "wall_s": 0.0, "phases_s": {}})
+    monkeypatch.setattr(cli.common, "utc_stamp", lambda: next(stamps))
+    for name, stub in (("report", lambda results, params: ""), ("check_targets", lambda results, machine: {}),
+                       ("format_targets", lambda t: ""), ("plot", lambda results, path: None)):
+        monkeypatch.setattr(cli, name, stub)
+    args = ["--dtypes", "fp32", "--dims", "128", "--inits", "torchrec", "--no-sweep", "--no-zipnn",
+            "--runs", "3", "--results-dir", str(tmp_path)]
+    assert cli.main(args) == 0
+    assert sorted(p.name for p in tmp_path.glob("lookup-*.json")) == ["lookup-s1.json", "lookup-s2.json",
+                                                                     "lookup-s3.json"]
+    (report,) = tmp_path.glob("lookup_targets-*.json")
+    got = json.loads(report.read_text())
+    assert got["runs"] == ["s1", "s2", "s3"] and len(got["sources"]) == 3
+    z, u = (next(r for r in got["rows"] if r["workload"] == w) for w in ("B4096 P20 Zipf 1.05", "B4096 P20 uniform"))
+    assert (z["lookup_many"], z["lookup_many_runs"], u["lookup_many"]) == (1.0, [0.9, 1.1, 1.0], 0.85)
+    assert "median of 3 runs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--runs", "0"])

@@ -66,8 +66,12 @@ def parse_args(argv=None):
     p.add_argument("--no-json", action="store_true", help="write neither the JSON nor the PNG")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR,
                    help="where the JSON and the PNG go (default benchmarks/results)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="run everything this many times (a JSON each) and judge issue 11's targets on the "
+                        "median of the runs (default 1; a single run moves a set by 0.1x and more)")
     a = p.parse_args(argv)
-    for name in ("batches", "repeats", "codec_sample"):  # 0 read as "unset" before; a round's ratio needs a round
+    # 0 was read as "unset" before; a round's ratio needs a round, a verdict a run
+    for name in ("batches", "repeats", "codec_sample", "runs"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(a, name)}")
     a.scale = a.scale or (0.01 if a.quick else 0.03)
@@ -96,8 +100,40 @@ def parse_args(argv=None):
     return a
 
 
+def _judged(docs: list) -> tuple[dict, str]:
+    """Issue 11's verdicts over runs and their report; a run that cannot be judged (bf16 sets
+    only) says so instead, and is kept."""
+    # Imported here: this package's __init__ imports cli, and a module it imports at its top
+    # is loaded before `python -m benchmarks.lookup.targets` runs it as __main__.
+    from . import targets as issue11
+
+    try:
+        judged = issue11.combine(docs)
+        return judged, issue11.format_issue11(judged)
+    except ValueError as e:
+        return {"error": str(e)}, f"### Issue 11's targets: not judged ({e})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    docs = []
+    for i in range(args.runs):
+        if args.runs > 1:
+            print(f"[run {i + 1} of {args.runs}]", file=sys.stderr, flush=True)
+        docs.append(run_once(args))
+    if args.runs > 1:
+        judged, text = _judged(docs)
+        print("\n" + text)
+        if not args.no_json:
+            path = common.write_json({"benchmark": "lookup_targets", "sources": [d["path"] for d in docs], **judged,
+                                      "markdown": text}, "lookup_targets", results_dir=args.results_dir)
+            print(f"results: {common.shown(path)}")
+    return 0
+
+
+def run_once(args) -> dict:
+    """One run of every table set and workload: prints its report, writes its JSON (unless
+    --no-json) and returns {"params", "results", "path"}."""
     stamp = common.utc_stamp()
     t_start = time.perf_counter()
 
@@ -129,23 +165,16 @@ def main(argv=None) -> int:
             results.append(r)
     params["load_average_end"] = common.load_average()
     params["wall_s"] = time.perf_counter() - t_start
-    # Imported here: this package's __init__ imports cli, and a module it imports at its top
-    # is loaded before `python -m benchmarks.lookup.targets` runs it as __main__.
-    from . import targets as issue11
-
     targets = check_targets(results, params["machine"])
-    try:
-        judged = issue11.combine([{"params": params, "results": results}])
-        judged_text = issue11.format_issue11(judged)
-    except ValueError as e:  # a run of bf16 sets only has no pair; the run itself is kept
-        judged, judged_text = {"error": str(e)}, f"### Issue 11's targets: not judged ({e})"
+    judged, judged_text = _judged([{"params": params, "results": results}])
     text = report(results, params) + "\n" + format_targets(targets) + "\n\n" + judged_text + \
         f"\n\nWall time {params['wall_s']:.0f} s; load average at the end {params['load_average_end']}."
     print(text)
+    path = None
     if not args.no_json:
         path = common.write_json({"benchmark": "lookup", "params": params, "results": results, "targets": targets,
                                   "issue11_targets": judged, "markdown": text}, "lookup", stamp, args.results_dir)
         png = plot(results, args.results_dir / f"lookup-{stamp}.png")
         print(f"\nresults: {common.shown(path)}" + (f", plot: {common.shown(png)}" if png else ""))
-    return 0
+    return {"params": params, "results": results, "path": None if path is None else str(path)}
 
