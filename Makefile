@@ -86,7 +86,7 @@ test: all
 		--rootdir tests/torchrec_suite tests/torchrec_suite
 
 bench: all
-	$(PY) -m benchmarks.lookup $(ARGS)
+	$(PY) -m benchmarks.lookup $(ARGS) $(LOOKUP_ARGS)
 	$(PY) -m benchmarks.codec $(ARGS)
 	$(PY) -m benchmarks.training $(ARGS)
 
