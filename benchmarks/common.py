@@ -255,10 +255,10 @@ def write_json(obj: dict, name: str, stamp: str | None = None, results_dir: Path
     return path
 
 
-def save_runs(name: str, config: dict, runs: list, results_dir: Path = RESULTS_DIR) -> dict:
-    """{"machine", "config", "runs"} written as results_dir/<name>-<UTC stamp>.json (its
-    path printed); returns it."""
-    result = {"machine": machine_info(), "config": config, "runs": runs}
+def save_runs(name: str, config: dict, runs: list, results_dir: Path = RESULTS_DIR, **extra) -> dict:
+    """{"machine", "config", "runs", **extra} written as results_dir/<name>-<UTC stamp>.json
+    (its path printed); returns it."""
+    result = {"machine": machine_info(), "config": config, "runs": runs, **extra}
     print(f"\nresults: {write_json(result, name, results_dir=results_dir)}")
     return result
 

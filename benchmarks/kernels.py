@@ -14,8 +14,9 @@ call takes the rows in a new order (one of common.FRESH_ORDERS, in turn), as a
 lookup's distinct rows are new to the branch predictor in every batch; the same
 rows in the same order every call ("repeated"), whose branches the predictor
 learns, are timed too. Their outputs must be bit-identical. Results: markdown
-tables of ns a row (min over the rounds, and GB/s of decoded rows) and
-benchmarks/results/kernels-<UTC time>.json.
+tables of ns a row (min over the rounds, and GB/s of decoded rows), issue 11's decode
+lines for the kernel set libibp picked (10 GB/s at every word size; W = 16 and 32 as
+fast as W = 64), and benchmarks/results/kernels-<UTC time>.json.
 """
 from __future__ import annotations
 
@@ -36,6 +37,40 @@ WORD_BITS = (16, 32, 64)
 DECODED_ROWS = 1000
 MODES = {"fresh": "rows in a new order every call (as a lookup's rows)",
          "repeated": "the same rows in the same order every call (branches learnt)"}
+GBPS_LINE = 10.0  # issue 11: decode at 10 GB/s a core or more, for every word size
+
+
+def decode_targets(runs: list, kernel_set: str) -> dict:
+    """Issue 11's decode lines for one kernel set, rows in a new order every call (as a
+    lookup's): every table at every word size >= 10 GB/s of decoded rows, and W = 16 and
+    32 as fast as W = 64 (a time ratio of at most 1)."""
+    def case(r):
+        return {k: r[k] for k in ("init", "dtype", "dim", "word_bits")}
+
+    def ns(r):
+        return r["ns_per_row_fresh"][kernel_set]
+
+    w64 = {(r["init"], r["dtype"], r["dim"]): r for r in runs if r["word_bits"] == 64}
+    speeds = [{**case(r), "gbps": r["row_bytes"] / ns(r)} for r in runs]
+    ratios = [{**case(r), "time_vs_w64": ns(r) / ns(w64[r["init"], r["dtype"], r["dim"]])}
+              for r in runs if r["word_bits"] != 64]
+    below = [x for x in speeds if x["gbps"] < GBPS_LINE]
+    slower = [x for x in ratios if x["time_vs_w64"] > 1.0]
+    return {"kernel_set": kernel_set, "gbps_line": GBPS_LINE, "gbps_met": not below, "gbps": speeds,
+            "below_line": below, "w16_w32_as_fast_met": not slower, "time_vs_w64": ratios}
+
+
+def format_decode_targets(t: dict) -> str:
+    def name(x):
+        return f"{x['init']} {x['dtype'][6:]} d{x['dim']} W = {x['word_bits']}"
+
+    below = "; ".join(f"{name(x)} {x['gbps']:.1f}" for x in t["below_line"])
+    r = [x["time_vs_w64"] for x in t["time_vs_w64"]]
+    return (f"Issue 11's decode lines ({t['kernel_set']}, rows in a new order every call): "
+            f"{t['gbps_line']:g} GB/s for every word size: "
+            + ("met" if t["gbps_met"] else f"MISSED ({len(t['below_line'])} of {len(t['gbps'])} below: {below})")
+            + "; W = 16 and 32 as fast as W = 64: " + ("met" if t["w16_w32_as_fast_met"] else "MISSED")
+            + (f" ({min(r):.2f}-{max(r):.2f}x its time)" if r else "") + ".")
 
 
 def time_sets(table, sets: dict, repeats: int, fresh: bool) -> dict:
@@ -98,6 +133,7 @@ def main(argv=None) -> dict:
                              for name, sec in time_sets(table, sets, args.repeats, mode == "fresh").items()}
                       for mode in MODES}
                 runs.append({"init": init, "dtype": str(dtype), "dim": dim, "word_bits": w,
+                             "row_bytes": table._row_bytes,
                              "ns_per_row_fresh": ns["fresh"], "ns_per_row_repeated": ns["repeated"]})
                 for mode in MODES:
                     rows[mode].append([init, f"{str(dtype)[6:]} d{dim}", w] +
@@ -109,7 +145,9 @@ def main(argv=None) -> dict:
     for mode, title in MODES.items():
         print(f"\n{title}\n")
         print(common.markdown_table(["init", "table", "W", *sets], rows[mode]))
-    return common.save_runs("kernels", vars(args) | {"sets": sets}, runs, args.results_dir)
+    targets = decode_targets(runs, picked)
+    print("\n" + format_decode_targets(targets))
+    return common.save_runs("kernels", vars(args) | {"sets": sets}, runs, args.results_dir, issue11_decode=targets)
 
 
 if __name__ == "__main__":

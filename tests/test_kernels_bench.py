@@ -23,6 +23,8 @@ def test_every_runnable_set_is_timed_and_the_picked_one_kept(tmp_path):
             assert set(run[mode]) == set(got["config"]["sets"]) and min(run[mode].values()) > 0
     saved = json.loads(next(tmp_path.glob("kernels-*.json")).read_text())
     assert saved["runs"] == json.loads(json.dumps(got["runs"]))
+    picked = next(name for name, isa in got["config"]["sets"].items() if isa == before)
+    assert saved["issue11_decode"] == json.loads(json.dumps(kernels.decode_targets(got["runs"], picked)))
 
 
 def test_fresh_orders_are_new_orders_of_the_same_rows_taken_in_turn():
@@ -50,3 +52,29 @@ def test_each_round_takes_its_own_order_of_the_sets(monkeypatch, tmp_path):
     monkeypatch.setattr(common, "time_interleaved", spy)
     kernels.main(["--rows", "1000", "--repeats", "1", "--results-dir", str(tmp_path)])
     assert seen and all(seen)
+
+
+def _case(init, w, ns, row_bytes=512):
+    return {"init": init, "dtype": "torch.float32", "dim": 128, "word_bits": w, "row_bytes": row_bytes,
+            "ns_per_row_fresh": {"avx512": ns, "generic": 10 * ns}, "ns_per_row_repeated": {}}
+
+
+def test_decode_targets_at_their_lines():
+    # 512-byte rows: 51.2 ns a row is exactly 10 GB/s; W = 16 and 32 as fast as W = 64 at ratio 1
+    runs = [_case("torchrec", 16, 40.0), _case("torchrec", 32, 40.0), _case("torchrec", 64, 40.0)]
+    t = kernels.decode_targets(runs, "avx512")
+    assert t["gbps_met"] and t["w16_w32_as_fast_met"] and [x["gbps"] for x in t["gbps"]] == [12.8] * 3
+    assert "10 GB/s for every word size: met; W = 16 and 32 as fast as W = 64: met (1.00-1.00x" in \
+        kernels.format_decode_targets(t)
+    runs[0] = _case("torchrec", 16, 51.2)  # at the speed line, 1.28x W = 64's time
+    t = kernels.decode_targets(runs, "avx512")
+    assert t["gbps_met"] and not t["w16_w32_as_fast_met"]
+    assert [x["time_vs_w64"] for x in t["time_vs_w64"]] == [1.28, 1.0]
+    runs += [_case("trained", 16, 52.0), _case("trained", 32, 30.0), _case("trained", 64, 31.0)]
+    t = kernels.decode_targets(runs, "avx512")
+    assert not t["gbps_met"] and [(x["init"], x["word_bits"]) for x in t["below_line"]] == [("trained", 16)]
+    text = kernels.format_decode_targets(t)
+    assert "MISSED (1 of 6 below: trained float32 d128 W = 16 9.8)" in text and "(0.97-1.68x its time)" in text
+    assert not kernels.decode_targets(runs, "generic")["gbps_met"]  # the set asked for, not another
+    short = kernels.decode_targets([_case("torchrec", 64, 12.8, row_bytes=128)], "avx512")  # fp16 d64 rows
+    assert short["gbps"][0]["gbps"] == 10.0 and short["gbps_met"]
