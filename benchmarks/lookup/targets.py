@@ -45,7 +45,7 @@ def _thread_twin(name: str) -> str | None:
 
 
 def run_ratios(doc: dict) -> dict:
-    """{(table set, workload): {"lookup_many", "ebc", "zipf", "threads", "scaling"}} of one lookup
+    """{(table set, workload): {"lookup_many", "ebc", "zipf", "scaling"}} of one lookup
     benchmark run, for the workloads that have an FBGEMM pair; "scaling" is None or
     (threads, twin's threads, lookup_many's speedup, FBGEMM's speedup)."""
     out = {}
@@ -63,8 +63,7 @@ def run_ratios(doc: dict) -> dict:
                         return w["systems"][system]["lookups_per_s"] / one["systems"][system]["lookups_per_s"]
                     scaling = (w["threads"], one["threads"], speedup(BATCHED), speedup(FBGEMM))
                 out[(r["label"], name)] = {"lookup_many": ratios[BATCHED], "ebc": ratios.get(COLLECTION),
-                                           "zipf": w["alpha"] is not None, "threads": w["threads"],
-                                           "scaling": scaling}
+                                           "zipf": w["alpha"] is not None, "scaling": scaling}
     except (KeyError, TypeError, ZeroDivisionError) as e:
         raise NotARun(f"run {doc.get('params', {}).get('started_utc', '?')}: a result lacks a field this "
                       f"report reads ({type(e).__name__}: {e})") from e
@@ -99,9 +98,8 @@ def combine(docs: list[dict]) -> dict:
         lm = [g["lookup_many"] for g in got]
         ebc = [g["ebc"] for g in got]
         line = ZIPF_LINE if got[0]["zipf"] else UNIFORM_LINE
-        row = {"table_set": key[0], "workload": key[1], "threads": got[0]["threads"],
-               "lookup_many": _median(lm), "lookup_many_runs": lm, "lookup_many_line": line,
-               "ebc": _median(ebc), "ebc_runs": ebc, "ebc_line": EBC_LINE}
+        row = {"table_set": key[0], "workload": key[1], "lookup_many": _median(lm), "lookup_many_runs": lm,
+               "lookup_many_line": line, "ebc": _median(ebc), "ebc_runs": ebc, "ebc_line": EBC_LINE}
         row["lookup_many_met"] = row["lookup_many"] >= line
         row["ebc_met"] = None if row["ebc"] is None else row["ebc"] >= EBC_LINE
         scalings = [g["scaling"] for g in got]
@@ -116,7 +114,7 @@ def combine(docs: list[dict]) -> dict:
         rows.append(row)
     count = {name: [sum(r[f"{name}_met"] is True for r in rows), sum(r[f"{name}_met"] is not None for r in rows)]
              for name in ("lookup_many", "ebc")}
-    return {"runs": [p.get("started_utc") for p in params],
+    return {"runs": [p.get("started_utc") or "?" for p in params],
             "commits": sorted({p.get("machine", {}).get("git_commit") or "?" for p in params}),
             "cpu_models": sorted({p.get("machine", {}).get("cpu_model") or "?" for p in params}),
             "rows": rows, "met": count, "left_out": [list(k) for k in left_out]}
