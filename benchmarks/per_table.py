@@ -11,9 +11,10 @@ from 105 rows up; `--scale` and `--min-rows` pick another, as benchmarks.lookup 
 its sets) is looked up alone: one B x P batch (default B4096 x P20, as the lookup benchmark's
 center) into one table, ibp's `lookup_many` (the native call the IBP collection runs)
 against FBGEMM's TBE (HOST) with the same weights, 1 thread, calls interleaved
-(common.time_interleaved). Outputs are checked against the TBE's first (float32:
-bit for bit, as both sum a bag's rows in order; half precision: to 1e-3, FBGEMM
-widens differently). Results: a markdown table (median ms and the ratio FBGEMM / ibp,
+(common.time_interleaved). `--init trained` takes synthetic trained-like rows instead of
+TorchRec's init, their popularity that of the Zipf ids, as in benchmarks.lookup's
+trained-like sets. Outputs are checked against the TBE's first (float32: bit for bit,
+as both sum a bag's rows in order; half precision: to 1e-3, FBGEMM widens differently). Results: a markdown table (median ms and the ratio FBGEMM / ibp,
 above 1 where ibp is faster) and benchmarks/results/per_table-<UTC time>.json.
 """
 from __future__ import annotations
@@ -33,12 +34,17 @@ from .lookup.systems import build_tbe
 from .lookup.tables import criteo_rows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+ALPHA = 1.05  # the Zipf ids' skew, and the trained-like rows' popularity (--init trained)
+PERM_SEED = 0  # the popularity order both follow: the rows most moved are the ids drawn most
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--init", choices=("torchrec", "trained"), default="torchrec",
+                   help="TorchRec's init, or synthetic trained-like rows whose popularity follows the Zipf "
+                        "ids' (benchmarks.lookup's trained-like sets)")
     p.add_argument("--dist", default="zipf,uniform", help="comma-separated, of zipf, uniform")
     p.add_argument("--rows", help="comma-separated table sizes (default: the set's, see --scale)")
     p.add_argument("--scale", type=float, help="the sizes of the set at this Criteo Kaggle cardinality scale "
@@ -75,13 +81,17 @@ def parse(argv=None):
 
 def time_table(n_rows: int, dist: str, args) -> dict:
     dtype = DTYPES[args.dtype]
-    weights = datasets.make_table(n_rows, args.dim, dtype, init="torchrec", seed=n_rows)
+    if args.init == "trained":
+        weights = datasets.make_trained_like_table(n_rows, args.dim, dtype, alpha=ALPHA, seed=n_rows,
+                                                   perm_seed=PERM_SEED)
+    else:
+        weights = datasets.make_table(n_rows, args.dim, dtype, init="torchrec", seed=n_rows)
     table = ibp_embed.compress(weights, progress=False)
     tbe = build_tbe([n_rows], [args.dim], dtype)
     with torch.no_grad():
         tbe.split_embedding_weights()[0].copy_(weights)
     n_ids = args.batch * args.pooling
-    ids = (datasets.zipf_ids(n_ids, n_rows, 1.05, seed=1) if dist == "zipf" else
+    ids = (datasets.zipf_ids(n_ids, n_rows, ALPHA, seed=1, perm_seed=PERM_SEED) if dist == "zipf" else
            datasets.uniform_ids(n_ids, n_rows, seed=1))
     offsets = torch.arange(0, n_ids + 1, args.pooling, dtype=torch.int64)
     ids_np, offsets_np = ids.numpy(), offsets.numpy()
@@ -107,10 +117,11 @@ def main(argv=None) -> dict:
         runs = []
         for dist in args.dists:
             for n in args.sizes:
-                print(f"[per_table] {args.dtype} d{args.dim} {dist} {n} rows", file=sys.stderr, flush=True)
+                print(f"[per_table] {args.init} {args.dtype} d{args.dim} {dist} {n} rows", file=sys.stderr,
+                      flush=True)
                 runs.append(time_table(n, dist, args))
-    print(f"{args.dtype} d{args.dim}, B{args.batch} x P{args.pooling}, one table a call, 1 thread, median of "
-          f"{args.repeats} interleaved rounds; load average {common.load_average()}\n")
+    print(f"{args.init} init, {args.dtype} d{args.dim}, B{args.batch} x P{args.pooling}, one table a call, 1 thread, "
+          f"median of {args.repeats} interleaved rounds; load average {common.load_average()}\n")
     print(common.markdown_table(
         ["ids", "rows", "distinct ids", "ibp ratio", "FBGEMM TBE ms", "ibp lookup_many ms", "FBGEMM / ibp"],
         [[r["dist"], r["rows"], f"{r['distinct']:.2f}", f"{r['ratio']:.3f}", common.fmt(r["fbgemm_ms"]),

@@ -47,3 +47,32 @@ def test_a_scale_picks_that_sets_tables():
     got = per_table.parse(["--scale", "0.03", "--min-rows", "10000"]).sizes
     assert got == sorted(n for n in set(criteo_rows(0.03)) if n >= 10000)
     assert got[-1] == 303937 and len(got) == 5 and got[0] >= 10000
+
+
+def test_trained_rows_follow_the_ids_popularity(tmp_path, monkeypatch):
+    """--init trained: benchmarks.lookup's trained-like rows, the most moved ones those the Zipf ids name most."""
+    from ibp_embed import datasets
+    made, real = [], datasets.make_trained_like_table
+
+    def trained(*a, **k):
+        made.append((a, k))
+        return real(*a, **k)
+
+    real_ids, drawn = datasets.zipf_ids, []
+
+    def ids(*a, **k):
+        drawn.append(k["perm_seed"])
+        return real_ids(*a, **k)
+
+    monkeypatch.setattr(per_table.datasets, "make_trained_like_table", trained)
+    monkeypatch.setattr(per_table.datasets, "zipf_ids", ids)
+    got = per_table.main(["--init", "trained", "--dim", "8", "--rows", "300", "--batch", "64", "--pooling", "3",
+                          "--dist", "zipf", "--repeats", "1", "--results-dir", str(tmp_path)])
+    assert made == [((300, 8, torch.float32), {"alpha": per_table.ALPHA, "seed": 300, "perm_seed": per_table.PERM_SEED})]
+    assert drawn == [per_table.PERM_SEED] and got["config"]["init"] == "trained"
+    named = real_ids(100_000, 300, per_table.ALPHA, seed=5, perm_seed=per_table.PERM_SEED).bincount(minlength=300)
+    order = named.argsort(descending=True)
+    init = datasets.make_table(300, 8, torch.float32, init="torchrec", seed=300)
+    moved = (real(300, 8, alpha=per_table.ALPHA, seed=300, perm_seed=per_table.PERM_SEED)
+             - init).abs().sum(1)
+    assert moved[order[:30]].mean() > 2 * moved[order[150:]].mean()  # the rows named most moved most
