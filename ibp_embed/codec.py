@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import _native
+from . import _native, hostmem
 from ._native import ffi, lib
 from .dtypes import as_rows
 from .table import CompressedTable
@@ -399,7 +399,7 @@ def _encode_table(rows: np.ndarray, dtype: torch.dtype, dim: int, book: _Codeboo
     payload_bytes = int(offsets[-1])
     if allow_raw and book.table_nbytes(payload_bytes, n_rows) >= n_rows * row_bytes:  # masks, index and pad outweigh the savings
         return CompressedTable.raw(rows, dtype, dim, book.word_bits)
-    payload = np.zeros(payload_bytes + lib.ibp_tail_pad(row_bytes, book.word_bits), dtype=np.uint8)
+    payload = hostmem.zeros(payload_bytes + lib.ibp_tail_pad(row_bytes, book.word_bits))
     payload_p = _native.ptr(payload, "uint8_t *")
     for lo in tqdm(chunks, desc="encoding rows", unit="Mrow", disable=not progress):
         hi = min(lo + CHUNK_ROWS, n_rows)

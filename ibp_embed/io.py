@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import _native
+from . import _native, hostmem
 from ._native import lib
 from .dtypes import dtype_from_name, dtype_name
 from .errors import FormatError
@@ -103,7 +103,7 @@ def read_sections(path, mmap: bool = True, verify: bool = True):
     h = read_header(path)
     try:
         with open_regular(path) as f:
-            data = np.memmap(f, dtype=np.uint8, mode="r") if mmap else np.fromfile(f, dtype=np.uint8)
+            data = np.memmap(f, dtype=np.uint8, mode="r") if mmap else _read_all(f)
     except FormatError:
         raise
     except (OSError, ValueError) as e:
@@ -117,6 +117,19 @@ def read_sections(path, mmap: bool = True, verify: bool = True):
             raise FormatError(f"{path}: section {s['name']} checksum mismatch (corrupt file)")
         views[s["name"]] = raw
     return h, views
+
+
+def _read_all(f) -> np.ndarray:
+    """The rest of file f, read into memory of its own (on huge pages where large, as
+    compress's payloads are: see hostmem); shorter where the file shrank meanwhile."""
+    buf = hostmem.zeros(os.fstat(f.fileno()).st_size - f.tell())
+    got, view = 0, memoryview(buf)
+    while got < buf.size:
+        n = f.readinto(view[got:])
+        if not n:
+            return buf[:got]
+        got += n
+    return buf
 
 
 def read_header(path) -> dict:

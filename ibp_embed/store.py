@@ -23,7 +23,7 @@ import threading
 import numpy as np
 import torch
 
-from . import _native
+from . import _native, hostmem
 from ._native import ffi, lib
 from .codec import _Codebook, compress, split_offsets
 from .dtypes import LOOKUP_DTYPES, as_rows
@@ -227,7 +227,7 @@ class UpdatableTable(TableReads):
         with self._write_lock:
             pad = int(lib.ibp_tail_pad(self._row_bytes, self.word_bits))
             offsets = np.zeros(n + 1, dtype=np.uint64)
-            payload = np.zeros(self.live_bytes + pad, dtype=np.uint8)
+            payload = hostmem.zeros(self.live_bytes + pad)
             _native.check(lib.ibp_store_export(self._store, _native.ptr(offsets, "uint64_t *"),
                                                _native.ptr(payload, "uint8_t *"), payload.size), "export")
             book = self._book

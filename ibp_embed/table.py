@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import torch
 
-from . import _native, io
+from . import _native, hostmem, io
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES, dtype_from_name, dtype_name, rows_to_tensor
 from .errors import FormatError
@@ -248,11 +248,12 @@ class CompressedTable(TableReads):
     @classmethod
     def raw(cls, rows: np.ndarray, dtype: torch.dtype, dim: int, word_bits: int = 64) -> "CompressedTable":
         """A raw table of `rows` ([N, R] uint8, copied to memory that starts on a cache
-        line, where lookups pool them from): nbytes == N * R."""
+        line, where lookups pool them from; a large one on huge pages, see hostmem):
+        nbytes == N * R."""
         n_rows, row_bytes = rows.shape
         n_words = -(-row_bytes // (word_bits // 8))
         rel_dtype = np.uint16 if lib.ibp_rel_bytes(row_bytes) == 2 else np.uint32
-        buf = np.empty(n_rows * row_bytes + 64, dtype=np.uint8)
+        buf = hostmem.zeros(n_rows * row_bytes + 64)
         payload = buf[-buf.ctypes.data % 64:][:n_rows * row_bytes]
         payload.reshape(n_rows, row_bytes)[:] = rows
         return cls(shape=(n_rows, dim), dtype=dtype, word_bits=word_bits,

@@ -27,6 +27,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <omp.h>
 
@@ -78,6 +80,22 @@ static void store_release(store *s)
     memset(s, 0, sizeof(*s));
 }
 
+/* Asks for transparent huge pages for the whole pages of an arena of 2 MiB or more
+ * (ibp_embed/hostmem.py has why: lookups from memory into 4 KiB pages wait on a page
+ * walk a row). glibc serves such blocks from a fresh mapping, not yet touched, unless
+ * told otherwise (mallopt); where its pages were touched, they stay 4 KiB, as before. */
+static void advise_huge_pages(void *p, uint64_t bytes)
+{
+#ifdef MADV_HUGEPAGE /* Linux */
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = ((uintptr_t)p + page - 1) / page * page;
+    const uintptr_t hi = ((uintptr_t)p + bytes) / page * page;
+    if (bytes >= ((uint64_t)2 << 20) && hi > lo)
+        madvise((void *)lo, hi - lo, MADV_HUGEPAGE); /* advice: a refusal changes nothing */
+#else
+    (void)p, (void)bytes;
+#endif
+}
+
 /* s <- the codebook and rows of packed table t, each block with fresh headroom. */
 static int store_build(store *s, const ibp_table *t)
 {
@@ -122,6 +140,7 @@ static int store_build(store *s, const ibp_table *t)
     s->arena = calloc(s->arena_bytes, 1);
     if (!s->arena)
         return IBP_E_NOMEM;
+    advise_huge_pages(s->arena, s->arena_bytes);
     for (uint64_t b = 0; b < nb; b++)
         memcpy(s->arena + s->block_base[b], t->payload + ibp_row_start(t, b << shift), s->block_len[b]);
     s->view.cb = *cb;
@@ -287,6 +306,7 @@ static int arena_resize(store *s, uint64_t bytes)
     uint8_t *a = realloc(s->arena, bytes);
     if (!a)
         return IBP_E_NOMEM;
+    advise_huge_pages(a, bytes);
     if (bytes > s->arena_bytes)
         memset(a + s->arena_bytes, 0, bytes - s->arena_bytes);
     s->arena = a;
