@@ -419,8 +419,10 @@ def index_nbytes(n_rows: int, row_bytes: int) -> int:
 
 
 def split_offsets(offsets: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Absolute row offsets [N + 1] -> (block_base [N // 64 + 1], rel [N + 1])."""
+    """Absolute row offsets [N + 1] -> (block_base [N // 64 + 1], rel [N + 1]); rel, which
+    a lookup reads at each row, on huge pages where large (hostmem)."""
     block_base = np.ascontiguousarray(offsets[::64])
-    rel_dtype = np.uint16 if lib.ibp_rel_bytes(row_bytes) == 2 else np.uint32
-    rel = (offsets - np.repeat(block_base, 64)[: offsets.size]).astype(rel_dtype)
+    rel_dtype = np.dtype(np.uint16 if lib.ibp_rel_bytes(row_bytes) == 2 else np.uint32)
+    rel = hostmem.zeros(offsets.size * rel_dtype.itemsize).view(rel_dtype)
+    rel[:] = offsets - np.repeat(block_base, 64)[: offsets.size]  # each fits: the format's bound
     return block_base, rel

@@ -130,3 +130,16 @@ def test_updatable_tables_arena_gets_huge_pages():
     assert out.returncode == 0, out.stderr
     arena, gained = (int(x) for x in out.stdout.split())
     assert arena > 16 * MB and gained >= arena // 2, out.stdout
+
+
+@pytest.mark.parametrize("row_bytes", [16, 2000])  # u16 and u32 offsets within a block
+def test_a_large_index_lies_on_hostmem_and_reads_as_before(row_bytes):
+    from ibp_embed.codec import split_offsets
+    rng = np.random.default_rng(0)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(row_bytes // 2, row_bytes, 1_100_000))]).astype(np.uint64)
+    block_base, rel = split_offsets(offsets, row_bytes)
+    assert np.array_equal(block_base, offsets[::64])
+    want = (offsets - np.repeat(block_base, 64)[: offsets.size])
+    assert rel.dtype == (np.uint16 if row_bytes == 16 else np.uint32) and np.array_equal(rel, want)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert rel.ctypes.data % hostmem.HUGE_PAGE == 0
