@@ -1,15 +1,18 @@
 """What a table's pages cost a lookup: its payload on huge pages (as ibp_embed allocates
-it, see ibp_embed/hostmem.py) against a copy on 4 KiB pages, with FBGEMM's TBE, in one process.
+it, see ibp_embed/hostmem.py) against a copy on 4 KiB pages, and FBGEMM's TBE with its
+weights where torch puts them and collapsed onto huge pages, in one process.
 
     python -m benchmarks.pages --rows 1101304,303937 --dim 128
 
 Each table is compressed once; its payload is copied into a mapping that refuses huge
 pages (MADV_NOHUGEPAGE), the same index and masks, so the two ibp rows differ only in
-the pages their rows lie on. One B x P batch (default B4096 x P20) of Zipf 1.05 and of
-uniform ids, `lookup_many` on both tables and FBGEMM's TBE (HOST) on the same weights,
-each round in its own order (common.round_orders), 1 thread; the outputs are checked
-first (bit for bit). How many bytes of each payload are on huge pages is read from
-/proc/self/smaps. Results: a markdown table and benchmarks/results/pages-<UTC time>.json.
+the pages their rows lie on. FBGEMM's TBE (HOST) gets the same weights twice: as torch
+allocates them (no huge pages asked for: 4 KiB pages where transparent huge pages are
+on "madvise") and in a second TBE whose weights madvise(MADV_COLLAPSE) moved onto huge
+pages (Linux 6.1 and newer; left out where refused). One B x P batch (default B4096 x
+P20) of Zipf 1.05 and of uniform ids, each round in its own order
+(common.round_orders), 1 thread; the outputs are checked first (bit for bit). How many
+bytes of each are on huge pages is read from /proc/self/smaps. Results: a markdown table and benchmarks/results/pages-<UTC time>.json.
 """
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ from ibp_embed import datasets, hostmem
 from ibp_embed.table import CompressedTable
 
 from . import common
-from .lookup.systems import build_tbe
+from .lookup.systems import build_tbe, collapse_onto_huge_pages
 
-SYSTEMS = ("ibp, huge pages", "ibp, 4 KiB pages", "fbgemm")
+SYSTEMS = ("ibp, huge pages", "ibp, 4 KiB pages", "fbgemm", "fbgemm, huge pages")
 
 
 def parse(argv=None):
@@ -62,13 +65,22 @@ def on_small_pages(table: CompressedTable) -> CompressedTable:
                            payload_bytes=table._payload_bytes)
 
 
+def tbe_of(weights: torch.Tensor, huge_pages: bool):
+    """A TBE (HOST) of weights, on huge pages or as torch allocates it, whether it is on
+    huge pages as asked, and its weights as a NumPy view."""
+    tbe = build_tbe([weights.shape[0]], [weights.shape[1]], weights.dtype, huge_pages=False)
+    done = not huge_pages or collapse_onto_huge_pages(tbe.weights_host)
+    with torch.no_grad():
+        tbe.split_embedding_weights()[0].copy_(weights)
+    return tbe, done, tbe.split_embedding_weights()[0].detach().numpy()
+
+
 def time_table(n_rows: int, args) -> list[dict]:
     weights = datasets.make_table(n_rows, args.dim, torch.float32, init="torchrec", seed=n_rows)
     huge = ibp_embed.compress(weights, progress=False)
     small = on_small_pages(huge)
-    tbe = build_tbe([n_rows], [args.dim], torch.float32)
-    with torch.no_grad():
-        tbe.split_embedding_weights()[0].copy_(weights)
+    (tbe, _, tbe_w), (tbe_huge, collapsed, tbe_huge_w) = tbe_of(weights, False), tbe_of(weights, True)
+    systems = SYSTEMS if collapsed else SYSTEMS[:3]
     del weights
     n_ids = args.batch * args.pooling
     offsets = torch.arange(0, n_ids + 1, args.pooling, dtype=torch.int64)
@@ -78,18 +90,20 @@ def time_table(n_rows: int, args) -> list[dict]:
                datasets.uniform_ids(n_ids, n_rows, seed=1))
         fns = {SYSTEMS[0]: lambda: ibp_embed.lookup_many([huge], [ids.numpy()], [offsets.numpy()]),
                SYSTEMS[1]: lambda: ibp_embed.lookup_many([small], [ids.numpy()], [offsets.numpy()]),
-               SYSTEMS[2]: lambda: tbe(ids, offsets)}
+               SYSTEMS[2]: lambda: tbe(ids, offsets), SYSTEMS[3]: lambda: tbe_huge(ids, offsets)}
+        fns = {s: fns[s] for s in systems}
         with torch.no_grad():
             want = fns["fbgemm"]()
-            if not all(torch.equal(fns[s](), want) for s in SYSTEMS[:2]):
+            if not all(torch.equal(fns[s](), want) for s in systems):
                 raise SystemExit(f"pages: ibp's pooled sums differ from FBGEMM's ({n_rows} rows, {dist})")
             t = common.time_interleaved(fns, repeats=args.repeats, shuffle=True)
-        ms = {s: t[s]["median_s"] * 1e3 for s in SYSTEMS}
+        ms = {s: t[s]["median_s"] * 1e3 for s in systems}
         runs.append({"rows": n_rows, "dist": dist, "ms": ms,
                      "small_over_huge": float(np.median(np.array(t[SYSTEMS[1]]["times_s"]) /
                                                         np.array(t[SYSTEMS[0]]["times_s"]))),
-                     "huge_page_bytes": [hostmem.huge_pages_bytes(x._payload) for x in (huge, small)],
-                     "payload_bytes": int(huge._payload.nbytes)})
+                     "huge_page_bytes": dict(zip(SYSTEMS, (hostmem.huge_pages_bytes(x) for x in
+                                                           (huge._payload, small._payload, tbe_w, tbe_huge_w)))),
+                     "payload_bytes": int(huge._payload.nbytes), "weights_bytes": int(tbe_w.nbytes)})
     return runs
 
 
@@ -102,15 +116,21 @@ def main(argv=None) -> dict:
             runs.extend(time_table(n, args))
     print(f"float32 d{args.dim} TorchRec init, B{args.batch} x P{args.pooling}, 1 thread, median of {args.repeats} "
           f"rounds; load average {common.load_average()}\n")
-    mb = [lambda r, k=k: "?" if r["huge_page_bytes"][k] is None else f"{r['huge_page_bytes'][k] / 2**20:,.0f}"
-          for k in (0, 1)]
+    def on_huge(r, system):
+        got = r["huge_page_bytes"][system]
+        return "?" if got is None else f"{got / 2**20:,.0f}"
+
+    def speed(r, over):  # FBGEMM's time over another system's: above 1 where that one is faster
+        return f"{r['ms']['fbgemm'] / r['ms'][over]:.2f}x" if over in r["ms"] else "-"
+
     print(common.markdown_table(
-        ["rows", "ids", "payload MiB", "on huge pages MiB (copy)", "ibp huge ms", "ibp 4 KiB ms", "FBGEMM ms",
-         "4 KiB / huge", "FBGEMM / ibp huge", "FBGEMM / ibp 4 KiB"],
-        [[r["rows"], r["dist"], f"{r['payload_bytes'] / 2**20:,.0f}", f"{mb[0](r)} ({mb[1](r)})",
-          *(common.fmt(r["ms"][s]) for s in SYSTEMS), f"{r['small_over_huge']:.2f}x",
-          f"{r['ms']['fbgemm'] / r['ms'][SYSTEMS[0]]:.2f}x", f"{r['ms']['fbgemm'] / r['ms'][SYSTEMS[1]]:.2f}x"]
-         for r in runs]))
+        ["rows", "ids", "MiB on huge pages: ibp / copy / FBGEMM / collapsed", *(f"{s} ms" for s in SYSTEMS),
+         "ibp 4 KiB / huge", "FBGEMM / ibp", "FBGEMM / ibp 4 KiB", "FBGEMM / FBGEMM huge"],
+        [[r["rows"], r["dist"], " / ".join(on_huge(r, s) for s in SYSTEMS),
+          *(common.fmt(r["ms"][s]) if s in r["ms"] else "-" for s in SYSTEMS), f"{r['small_over_huge']:.2f}x",
+          speed(r, SYSTEMS[0]), speed(r, SYSTEMS[1]), speed(r, SYSTEMS[3])] for r in runs]))
+    if any(SYSTEMS[3] not in r["ms"] for r in runs):
+        print("\n(-: this kernel refused MADV_COLLAPSE; FBGEMM's weights stayed where torch put them)")
     return common.save_runs("pages", vars(args), runs, args.results_dir)
 
 

@@ -21,11 +21,13 @@ pages otherwise, as before. A mapping lives as long as the arrays that view it.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import numpy as np
 
 HUGE_PAGE = 2 << 20
+MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1 and newer
 
 
 def zeros(nbytes: int) -> np.ndarray:
@@ -45,6 +47,21 @@ def zeros(nbytes: int) -> np.ndarray:
     whole = np.frombuffer(region, dtype=np.uint8)  # holds the mapping open until no view is left
     skip = -whole.ctypes.data % HUGE_PAGE
     return whole[skip: skip + nbytes]
+
+
+def collapse(address: int, nbytes: int) -> bool:
+    """Moves the whole huge pages of memory already in use at [address, address + nbytes)
+    onto transparent huge pages (madvise MADV_COLLAPSE, Linux 6.1 and newer); returns
+    whether the kernel did. For memory allocated elsewhere (a torch tensor, whose
+    allocator asks for no huge pages), so that a comparison puts both sides on the same
+    pages."""
+    lo, hi = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return hi > lo and madvise(lo, hi - lo, MADV_COLLAPSE) == 0
 
 
 def huge_pages_bytes(buf: np.ndarray) -> int | None:

@@ -19,9 +19,9 @@ def test_both_layouts_are_timed_and_checked(tmp_path):
     assert [(r["rows"], r["dist"]) for r in got["runs"]] == [(50, "zipf"), (50, "uniform"), (3000, "zipf"),
                                                               (3000, "uniform")]
     for r in got["runs"]:
-        assert set(r["ms"]) == set(pages.SYSTEMS) and min(r["ms"].values()) > 0 and r["small_over_huge"] > 0
-        small = r["huge_page_bytes"][1]
-        assert small in (None, 0)  # the copy refuses huge pages
+        assert set(r["ms"]) in (set(pages.SYSTEMS), set(pages.SYSTEMS[:3]))  # MADV_COLLAPSE may be refused
+        assert min(r["ms"].values()) > 0 and r["small_over_huge"] > 0
+        assert r["huge_page_bytes"][pages.SYSTEMS[1]] in (None, 0)  # the copy refuses huge pages
     saved = json.loads(next(tmp_path.glob("pages-*.json")).read_text())
     assert saved["runs"] == json.loads(json.dumps(got["runs"]))
 
@@ -41,6 +41,27 @@ def test_a_wrong_sum_stops_it(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="differ from FBGEMM"):
         pages.main(["--rows", "40", "--dim", "8", "--batch", "16", "--pooling", "2", "--repeats", "1",
                     "--results-dir", str(tmp_path)])
+
+
+def test_collapse_moves_touched_memory_onto_huge_pages():
+    import numpy as np
+    import torch
+    from ibp_embed import hostmem
+    t = torch.ones(8 << 20, dtype=torch.uint8)  # torch asks for no huge pages (NumPy would)
+    if not pages.collapse_onto_huge_pages(t):
+        pytest.skip("this kernel refuses MADV_COLLAPSE")
+    assert hostmem.huge_pages_bytes(t.numpy()) >= hostmem.HUGE_PAGE and bool((t == 1).all())
+    assert not pages.collapse_onto_huge_pages(torch.ones(100, dtype=torch.uint8))  # no whole huge page inside
+
+
+def test_benchmarks_tbes_are_on_huge_pages():
+    """build_tbe (every benchmark's FBGEMM) collapses the TBE's weights, as ibp_embed's payloads ask."""
+    import torch
+    from ibp_embed import hostmem
+    if not pages.collapse_onto_huge_pages(torch.ones(4 << 20, dtype=torch.uint8)):
+        pytest.skip("this kernel refuses MADV_COLLAPSE")
+    tbe = pages.build_tbe([100_000], [16], torch.float32)
+    assert hostmem.huge_pages_bytes(tbe.weights_host.detach().numpy()) >= 2 * hostmem.HUGE_PAGE  # 6.4 MB
 
 
 def test_bad_arguments():

@@ -14,7 +14,19 @@ def fbgemm_precision(dtype: torch.dtype):
     return {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}.get(dtype)
 
 
-def build_tbe(rows, dims, dtype):
+def collapse_onto_huge_pages(t: torch.Tensor) -> bool:
+    """hostmem.collapse of tensor t's memory."""
+    from ibp_embed import hostmem
+
+    return hostmem.collapse(t.data_ptr(), t.numel() * t.element_size())
+
+
+def build_tbe(rows, dims, dtype, huge_pages: bool = True):
+    """FBGEMM's TBE (HOST) of these tables. Its weights go onto huge pages where the
+    system allows (huge_pages), as ibp_embed's payloads do (ibp_embed/hostmem.py): torch
+    asks for none, and where its allocation reuses memory the process touched before, the
+    TBE's pages, and so its lookups from memory, were 4 KiB or 2 MiB by chance
+    (benchmarks.pages times both)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -22,10 +34,13 @@ def build_tbe(rows, dims, dtype):
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    return SplitTableBatchedEmbeddingBagsCodegen(
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(rows, dims)],
         optimizer=EmbOptimType.EXACT_SGD, pooling_mode=PoolingMode.SUM,
         weights_precision=fbgemm_precision(dtype), output_dtype=SparseType.FP32, device=torch.device("cpu"))
+    if huge_pages:
+        collapse_onto_huge_pages(tbe.weights_host)
+    return tbe
 
 
 def set_weights(ts) -> tuple:
