@@ -137,6 +137,14 @@ def steady_allocations() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
+def int_list(p, text: str, option: str) -> list[int]:
+    """The comma-separated integers of command-line option `option`, or p.error."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        p.error(f"{option} takes comma-separated integers, not {text!r}")
+
+
 def time_runs(fn, repeats: int = 5, warmup: int = 1) -> dict:
     """Call fn() warmup + repeats times; seconds of the timed calls and their median."""
     for _ in range(warmup):

@@ -43,10 +43,7 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
-    try:
-        args.sizes = [int(n) for n in args.rows.split(",")]
-    except ValueError:
-        p.error(f"--rows takes comma-separated integers, not {args.rows!r}")
+    args.sizes = common.int_list(p, args.rows, "--rows")
     if min(args.sizes) < 1 or min(args.dim, args.batch, args.pooling, args.repeats) < 1:
         p.error("--rows, --dim, --batch, --pooling and --repeats must be positive")
     if not hasattr(mmap, "MADV_NOHUGEPAGE"):

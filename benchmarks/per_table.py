@@ -12,8 +12,8 @@ its sets) is looked up alone: one B x P batch (default B4096 x P20, as the looku
 center) into one table, ibp's `lookup_many` (the native call the IBP collection runs)
 against FBGEMM's TBE (HOST) with the same weights, 1 thread, calls interleaved
 (common.time_interleaved). `--init trained` takes synthetic trained-like rows instead of
-TorchRec's init, their popularity that of the Zipf ids, as in benchmarks.lookup's
-trained-like sets. Outputs are checked against the TBE's first (float32: bit for bit,
+TorchRec's init, their popularity that of the Zipf ids: the model of benchmarks.lookup's
+trained-like sets, with per_table's own seeds. Outputs are checked against the TBE's first (float32: bit for bit,
 as both sum a bag's rows in order; half precision: to 1e-3, FBGEMM widens differently). Results: a markdown table (median ms and the ratio FBGEMM / ibp,
 above 1 where ibp is faster) and benchmarks/results/per_table-<UTC time>.json.
 """
@@ -64,11 +64,8 @@ def parse(argv=None):
     args.min_rows = 100 if args.min_rows is None else args.min_rows
     if args.scale is not None and not 0 < args.scale <= 1:
         p.error(f"--scale must be in (0, 1], not {args.scale}")
-    try:
-        args.sizes = ([int(n) for n in args.rows.split(",")] if args.rows else
-                      sorted({n for n in criteo_rows(args.scale or 0.01) if n >= args.min_rows}))
-    except ValueError:
-        p.error(f"--rows takes comma-separated integers, not {args.rows!r}")
+    args.sizes = (common.int_list(p, args.rows, "--rows") if args.rows else
+                  sorted({n for n in criteo_rows(args.scale or 0.01) if n >= args.min_rows}))
     for name in ("dim", "batch", "pooling", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, not {getattr(args, name)}")

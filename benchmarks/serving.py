@@ -56,10 +56,7 @@ def parse(argv=None):
                    help="distinct batches a size, looked up in turn (default 1: the same batch every call)")
     p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = p.parse_args(argv)
-    try:
-        args.sizes = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        p.error(f"--batches takes comma-separated integers, not {args.batches!r}")
+    args.sizes = common.int_list(p, args.batches, "--batches")
     for name in ("dim", "pooling", "calls", "repeats", "threads", "stream"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, not {getattr(args, name)}")

@@ -65,8 +65,11 @@ def collapse(address: int, nbytes: int) -> bool:
 
 
 def huge_pages_bytes(buf: np.ndarray) -> int | None:
-    """The bytes of the mappings that buf lies in that are on transparent huge pages
-    (/proc/self/smaps' AnonHugePages), or None where the system does not tell."""
+    """The bytes on transparent huge pages (/proc/self/smaps' AnonHugePages) of the
+    mappings that buf lies in, or None where the system does not tell. smaps counts whole
+    mappings, and the kernel merges neighbouring ones of the same kind: an upper bound
+    for buf where its mapping holds more than buf (two TBEs' weights side by side read
+    the same figure)."""
     lo = buf.ctypes.data
     hi = lo + buf.nbytes
     total, inside = 0, False

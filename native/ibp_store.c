@@ -80,17 +80,19 @@ static void store_release(store *s)
     memset(s, 0, sizeof(*s));
 }
 
-/* Asks for transparent huge pages for the whole pages of an arena of 2 MiB or more
- * (ibp_embed/hostmem.py has why: lookups from memory into 4 KiB pages wait on a page
- * walk a row). glibc serves such blocks from a fresh mapping, not yet touched, unless
- * told otherwise (mallopt); where its pages were touched, they stay 4 KiB, as before. */
+/* Asks for transparent huge pages for an arena of 2 MiB or more (ibp_embed/hostmem.py
+ * has why: lookups from memory into 4 KiB pages wait on a page walk a row). glibc serves
+ * such blocks from a fresh mapping, not yet touched, unless told otherwise (mallopt);
+ * where its pages were touched, they stay 4 KiB, as before. Every page the block touches
+ * is advised, its first (glibc's header) included: advising only the whole pages inside
+ * would split glibc's mapping in three, and realloc's mremap fails across mappings (it
+ * then copies the arena to a new, unadvised one). */
 static void advise_huge_pages(void *p, uint64_t bytes)
 {
 #ifdef MADV_HUGEPAGE /* Linux */
-    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = ((uintptr_t)p + page - 1) / page * page;
-    const uintptr_t hi = ((uintptr_t)p + bytes) / page * page;
-    if (bytes >= ((uint64_t)2 << 20) && hi > lo)
-        madvise((void *)lo, hi - lo, MADV_HUGEPAGE); /* advice: a refusal changes nothing */
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = (uintptr_t)p / page * page;
+    if (bytes >= ((uint64_t)2 << 20))
+        madvise((void *)lo, (uintptr_t)p + bytes - lo, MADV_HUGEPAGE); /* advice: a refusal changes nothing */
 #else
     (void)p, (void)bytes;
 #endif
