@@ -11,8 +11,10 @@ allocates them (no huge pages asked for: 4 KiB pages where transparent huge page
 on "madvise") and in a second TBE whose weights madvise(MADV_COLLAPSE) moved onto huge
 pages (Linux 6.1 and newer; left out where refused). One B x P batch (default B4096 x
 P20) of Zipf 1.05 and of uniform ids, each round in its own order
-(common.round_orders), 1 thread; the outputs are checked first (bit for bit). How many
-bytes of each are on huge pages is read from /proc/self/smaps. Results: a markdown table and benchmarks/results/pages-<UTC time>.json.
+(common.round_orders), 1 thread; the outputs are checked first (bit for bit). The bytes
+on huge pages are /proc/self/smaps' counts of the mappings each lies in (an upper bound
+where neighbours merged: hostmem.huge_pages_bytes). Results: a markdown table and
+benchmarks/results/pages-<UTC time>.json.
 """
 from __future__ import annotations
 

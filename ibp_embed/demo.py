@@ -71,8 +71,8 @@ def main(argv=None) -> int:
     # torch's embedding_bag reads the weights where torch put them, which asks for no huge
     # pages; the compressed tables' payloads have them (hostmem): both on huge pages, so
     # that the comparison is of the lookups, not of the pages
-    hostmem.collapse(weights.data_ptr(), weights.numel() * weights.element_size())
     raw = weights.numel() * weights.element_size()
+    hostmem.collapse(weights.data_ptr(), raw)
     init = {"torchrec": "TorchRec init", "normal": "normal(0, 0.01)",
             "trained": "synthetic trained-like"}[a.init]
     print(f"ibp_embed demo: {a.rows:,} x {a.dim} {a.dtype} table ({raw / 1e6:,.0f} MB), {init}; "

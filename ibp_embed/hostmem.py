@@ -58,7 +58,7 @@ def collapse(address: int, nbytes: int) -> bool:
     lo, hi = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to ask (CDLL(None): TypeError on Windows)
         return False
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return hi > lo and madvise(lo, hi - lo, MADV_COLLAPSE) == 0
