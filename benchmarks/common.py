@@ -80,7 +80,7 @@ def machine_info(extra_versions: tuple = ()) -> dict:
             cache[f"L{level}"] = int(size.rstrip("KMG")) * mult
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     try:
-        lib_sha = hashlib.sha256(Path(_native._LIBRARY).read_bytes()).hexdigest()[:16]
+        lib_sha = hashlib.sha256(_native.library_path.read_bytes()).hexdigest()[:16]
     except OSError:
         lib_sha = None
     return {
@@ -97,7 +97,8 @@ def machine_info(extra_versions: tuple = ()) -> dict:
         "ibp_isa": {isa: name for name, isa in _native.KERNEL_SETS.items()}[_native.lib.ibp_isa()],
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(dirty) if dirty is not None else None,
-        "libibp_sha256_16": lib_sha,  # identifies the native build when the tree is dirty
+        "libibp_sha256_16": lib_sha,  # identifies the native build (tree dirty, or $IBP_LIBRARY)
+        "libibp_path": str(_native.library_path),
     }
 
 

@@ -38,8 +38,11 @@ ffi = cffi.FFI()
 ffi.cdef(header_cdef(_HEADER))
 
 
-def _load():
-    path = Path(os.environ.get("IBP_LIBRARY", _LIBRARY))
+#: the libibp this process loads: $IBP_LIBRARY, or the checkout's build
+library_path = Path(os.environ.get("IBP_LIBRARY", _LIBRARY))
+
+
+def _load(path: Path):
     if not path.exists():
         raise NativeLibraryError(
             f"the native library {path} is missing: run `make` in {_ROOT} to build it")
@@ -70,7 +73,7 @@ def _load():
     return lib
 
 
-lib = _load()
+lib = _load(library_path)
 
 #: libibp's row-kernel sets (IBP_ISA_* in native/ibp.h), by name; lib.ibp_isa() is the one in use.
 KERNEL_SETS = {"generic": lib.IBP_ISA_GENERIC, "v3": lib.IBP_ISA_V3, "v3-no-pdep": lib.IBP_ISA_V3_NO_PDEP,

@@ -1,6 +1,5 @@
 """The A/B harness of two libibp builds (benchmarks/ab.py) on a tiny configuration."""
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ TINY = ["--rows", "3000", "--cached-rows", "200", "--batch", "64", "--pooling", 
 
 
 def package_library() -> str:
-    return str(Path(os.environ.get("IBP_LIBRARY", _native._LIBRARY)))
+    return str(_native.library_path)
 
 
 def test_two_built_libraries_in_both_orders(tmp_path):

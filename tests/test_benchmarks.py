@@ -173,3 +173,24 @@ def test_training_benchmark_harness_tiny():
     ibp = runs[1]
     assert ibp["samples_per_s"] > 0 and len(ibp["memory_per_rank"]) == 1
     assert ibp["ibp_tables"] and ibp["memory_per_rank"][0]["ibp"] > 0
+
+
+def test_machine_info_names_the_library_loaded(tmp_path):
+    """A run under $IBP_LIBRARY (benchmarks.ab's builds, a kept build) records that
+    library's path and hash, not the checkout's build."""
+    import hashlib
+    import os
+    import subprocess
+
+    from ibp_embed import _native
+
+    other = tmp_path / "libibp-other.so"
+    other.write_bytes(_native.library_path.read_bytes() + b"\0")  # loads the same, hashes otherwise
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", "import json; from benchmarks import common; "
+                          "print(json.dumps(common.machine_info()))"],
+                         env={**os.environ, "IBP_LIBRARY": str(other), "PYTHONPATH": str(root)},
+                         cwd=root, capture_output=True, text=True, check=True, timeout=120)
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["libibp_path"] == str(other)
+    assert info["libibp_sha256_16"] == hashlib.sha256(other.read_bytes()).hexdigest()[:16]
