@@ -68,3 +68,38 @@ def test_bad_arguments():
     for bad in (["--rows", "0"], ["--rows", "1k"], ["--dim", "0"], ["--repeats", "0"], ["--batch", "0"]):
         with pytest.raises(SystemExit):
             pages.parse(bad)
+
+
+def test_fbgemm_weights_left_on_small_pages_are_said(monkeypatch):
+    """build_tbe warns where the kernel refuses to move FBGEMM's weights onto huge pages:
+    a comparison with ibp_embed's huge-page payloads is then not like for like."""
+    import warnings
+
+    import torch
+    from benchmarks.lookup import systems
+
+    monkeypatch.setattr(systems, "collapse_onto_huge_pages", lambda t: False)
+    with pytest.warns(RuntimeWarning, match="MADV_COLLAPSE"):
+        systems.build_tbe([70000], [16], torch.float32)  # 4.5 MB: a whole huge page inside
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        systems.build_tbe([100], [8], torch.float32)  # no whole huge page to move: nothing refused
+        monkeypatch.setattr(systems, "collapse_onto_huge_pages", lambda t: True)
+        systems.build_tbe([70000], [16], torch.float32)
+
+
+@pytest.mark.parametrize("rows, collapsed, said", [(70000, False, True), (70000, True, False),
+                                                    (2000, False, False)])  # 128 KB: no whole huge page
+def test_demo_says_when_torch_weights_stay_on_small_pages(monkeypatch, capsys, rows, collapsed, said):
+    import torch
+    from ibp_embed import _native, demo
+
+    monkeypatch.setattr(demo.hostmem, "collapse", lambda address, nbytes: collapsed)
+    threads = (torch.get_num_threads(), _native.lib.ibp_get_num_threads())  # the demo sets both
+    try:
+        assert demo.main(["--rows", str(rows), "--dim", "16", "--batch-size", "32", "--pooling", "2",
+                          "--threads", "1"]) == 0  # 70000 rows: 4.5 MB, a whole huge page inside
+    finally:
+        torch.set_num_threads(threads[0])
+        _native.set_num_threads(threads[1])
+    assert ("refused madvise(MADV_COLLAPSE)" in capsys.readouterr().out) is said

@@ -1,6 +1,8 @@
 """The systems timed: FBGEMM's TBE, TorchRec's fused EBC, the IBP collection, and torch's reference."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -21,12 +23,19 @@ def collapse_onto_huge_pages(t: torch.Tensor) -> bool:
     return hostmem.collapse(t.data_ptr(), t.numel() * t.element_size())
 
 
+def holds_huge_page(t: torch.Tensor) -> bool:
+    """Whether tensor t's memory holds a whole huge page (smaller weights have none to move)."""
+    from ibp_embed import hostmem
+
+    return hostmem.holds_huge_page(t.data_ptr(), t.numel() * t.element_size())
+
+
 def build_tbe(rows, dims, dtype, huge_pages: bool = True):
     """FBGEMM's TBE (HOST) of these tables. Its weights go onto huge pages where the
     system allows (huge_pages), as ibp_embed's payloads do (ibp_embed/hostmem.py): torch
     asks for none, and where its allocation reuses memory the process touched before, the
     TBE's pages, and so its lookups from memory, were 4 KiB or 2 MiB by chance
-    (benchmarks.pages times both)."""
+    (benchmarks.pages times both). A RuntimeWarning says where the kernel refused."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -38,8 +47,10 @@ def build_tbe(rows, dims, dtype, huge_pages: bool = True):
         embedding_specs=[(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(rows, dims)],
         optimizer=EmbOptimType.EXACT_SGD, pooling_mode=PoolingMode.SUM,
         weights_precision=fbgemm_precision(dtype), output_dtype=SparseType.FP32, device=torch.device("cpu"))
-    if huge_pages:
-        collapse_onto_huge_pages(tbe.weights_host)
+    if huge_pages and not collapse_onto_huge_pages(tbe.weights_host) and holds_huge_page(tbe.weights_host):
+        warnings.warn("FBGEMM's TBE weights stay where torch put them (the kernel refused "
+                      "madvise(MADV_COLLAPSE)): its lookups from memory may run on 4 KiB pages "
+                      "while ibp_embed's payloads have huge pages", RuntimeWarning, stacklevel=2)
     return tbe
 
 
