@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     # pages; the compressed tables' payloads have them (hostmem): both on huge pages, so
     # that the comparison is of the lookups, not of the pages
     raw = weights.numel() * weights.element_size()
-    refused = not hostmem.collapse(weights.data_ptr(), raw) and hostmem.holds_huge_page(weights.data_ptr(), raw)
+    refused = not hostmem.collapse(weights.data_ptr(), raw)
     init = {"torchrec": "TorchRec init", "normal": "normal(0, 0.01)",
             "trained": "synthetic trained-like"}[a.init]
     print(f"ibp_embed demo: {a.rows:,} x {a.dim} {a.dtype} table ({raw / 1e6:,.0f} MB), {init}; "

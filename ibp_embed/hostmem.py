@@ -49,31 +49,22 @@ def zeros(nbytes: int) -> np.ndarray:
     return whole[skip: skip + nbytes]
 
 
-def _whole_huge_pages(address: int, nbytes: int) -> tuple[int, int]:
-    """[lo, hi): the whole huge pages inside [address, address + nbytes) (lo >= hi: none)."""
-    return -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-
-
-def holds_huge_page(address: int, nbytes: int) -> bool:
-    """Whether [address, address + nbytes) holds a whole huge page (memory that collapse
-    could move)."""
-    lo, hi = _whole_huge_pages(address, nbytes)
-    return hi > lo
-
-
 def collapse(address: int, nbytes: int) -> bool:
     """Moves the whole huge pages of memory already in use at [address, address + nbytes)
     onto transparent huge pages (madvise MADV_COLLAPSE, Linux 6.1 and newer); returns
-    whether the kernel did (False where the range holds no whole huge page). For memory
-    allocated elsewhere (a torch tensor, whose allocator asks for no huge pages), so that a
-    comparison puts both sides on the same pages."""
-    lo, hi = _whole_huge_pages(address, nbytes)
+    False only where the kernel refused (or could not be asked): a range that holds no
+    whole huge page has none to move. For memory allocated elsewhere (a torch tensor,
+    whose allocator asks for no huge pages), so that a comparison puts both sides on the
+    same pages."""
+    lo, hi = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo:
+        return True
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError, TypeError):  # no C library to ask (CDLL(None): TypeError on Windows)
         return False
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return hi > lo and madvise(lo, hi - lo, MADV_COLLAPSE) == 0
+    return madvise(lo, hi - lo, MADV_COLLAPSE) == 0
 
 
 def huge_pages_bytes(buf: np.ndarray) -> int | None:

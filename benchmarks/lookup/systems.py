@@ -23,13 +23,6 @@ def collapse_onto_huge_pages(t: torch.Tensor) -> bool:
     return hostmem.collapse(t.data_ptr(), t.numel() * t.element_size())
 
 
-def holds_huge_page(t: torch.Tensor) -> bool:
-    """Whether tensor t's memory holds a whole huge page (smaller weights have none to move)."""
-    from ibp_embed import hostmem
-
-    return hostmem.holds_huge_page(t.data_ptr(), t.numel() * t.element_size())
-
-
 def build_tbe(rows, dims, dtype, huge_pages: bool = True):
     """FBGEMM's TBE (HOST) of these tables. Its weights go onto huge pages where the
     system allows (huge_pages), as ibp_embed's payloads do (ibp_embed/hostmem.py): torch
@@ -47,7 +40,7 @@ def build_tbe(rows, dims, dtype, huge_pages: bool = True):
         embedding_specs=[(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(rows, dims)],
         optimizer=EmbOptimType.EXACT_SGD, pooling_mode=PoolingMode.SUM,
         weights_precision=fbgemm_precision(dtype), output_dtype=SparseType.FP32, device=torch.device("cpu"))
-    if huge_pages and not collapse_onto_huge_pages(tbe.weights_host) and holds_huge_page(tbe.weights_host):
+    if huge_pages and not collapse_onto_huge_pages(tbe.weights_host):
         warnings.warn("FBGEMM's TBE weights stay where torch put them (the kernel refused "
                       "madvise(MADV_COLLAPSE)): its lookups from memory may run on 4 KiB pages "
                       "while ibp_embed's payloads have huge pages", RuntimeWarning, stacklevel=2)
