@@ -104,7 +104,7 @@ def time_table(n_rows: int, dist: str, args) -> dict:
     return {"rows": n_rows, "dist": dist, "ratio": table.ratio, "word_bits": table.word_bits,
             "distinct": float(np.unique(ids_np).size / n_ids),
             "fbgemm_ms": t["fbgemm"]["median_s"] * 1e3, "ibp_ms": t["ibp"]["median_s"] * 1e3,
-            "speed": t["fbgemm"]["median_s"] / t["ibp"]["median_s"]}
+            "speed": t["fbgemm"]["median_s"] / t["ibp"]["median_s"], "fbgemm_collapse_refused": tbe.collapse_refused}
 
 
 def main(argv=None) -> dict:

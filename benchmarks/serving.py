@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
                                   f"{r['many_speed']:.2f}x", common.fmt(r["tbe_lists_us"], 1),
                                   common.fmt(r["many_lists_us"], 1), f"{r['many_lists_speed']:.2f}x"] for r in runs]))
     return common.save_runs("serving", {k: v for k, v in vars(args).items() if k != "sizes"}, runs,
-                            args.results_dir)
+                            args.results_dir, fbgemm_collapse_refused=tbe.collapse_refused)
 
 
 def serving_batch(rows: list, b: int, pooling: int, seed: int) -> SimpleNamespace:

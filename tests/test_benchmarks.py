@@ -94,6 +94,8 @@ def test_harness_tiny(tmp_path, dtype):
     res = L.run_table_set(ts, works, args, log=lambda m: None)
     assert set(res["ibp"]) == {"W64 K1", "W32 K1", "W64 K4", "W32 K4"}
     assert res["raw_bytes"] == (50 * 8 + 200 * 8 + 7 * 16) * dtype.itemsize
+    # whether FBGEMM's weights stayed off huge pages is recorded (none to move here; no TBE for bf16)
+    assert res.get("fbgemm_collapse_refused", "absent") == (False if dtype == torch.float32 else "absent")
     for w in res["workloads"]:
         s = w["systems"]
         assert all(e["matches_reference"] for e in s.values()), s

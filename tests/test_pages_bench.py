@@ -80,11 +80,12 @@ def test_fbgemm_weights_left_on_small_pages_are_said(monkeypatch):
 
     monkeypatch.setattr(systems, "collapse_onto_huge_pages", lambda t: False)
     with pytest.warns(RuntimeWarning, match="MADV_COLLAPSE"):
-        systems.build_tbe([100], [8], torch.float32)
+        assert systems.build_tbe([100], [8], torch.float32).collapse_refused is True  # for the JSONs
     monkeypatch.undo()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        systems.build_tbe([100], [8], torch.float32)  # no whole huge page to move: nothing refused
+        warnings.simplefilter("error")  # no whole huge page to move: nothing refused
+        assert systems.build_tbe([100], [8], torch.float32).collapse_refused is False
+        assert systems.build_tbe([100], [8], torch.float32, huge_pages=False).collapse_refused is None
 
 
 @pytest.mark.parametrize("collapsed", [False, True])

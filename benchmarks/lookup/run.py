@@ -56,6 +56,7 @@ def run_table_set(ts: TableSet, workloads, args, log) -> dict:
     fused = None
     if tbe is not None:
         fused = torchrec_fused_ebc(tbe, ts.dims)
+        res["fbgemm_collapse_refused"] = tbe.collapse_refused  # its weights left on 4 KiB pages
     else:
         res["fbgemm_unavailable"] = f"FBGEMM {common._version('fbgemm_gpu')} CPU (HOST) kernel has no " \
                                     f"{DTYPE_SHORT[ts.dtype]} weights"

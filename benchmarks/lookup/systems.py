@@ -28,7 +28,8 @@ def build_tbe(rows, dims, dtype, huge_pages: bool = True):
     system allows (huge_pages), as ibp_embed's payloads do (ibp_embed/hostmem.py): torch
     asks for none, and where its allocation reuses memory the process touched before, the
     TBE's pages, and so its lookups from memory, were 4 KiB or 2 MiB by chance
-    (benchmarks.pages times both). A RuntimeWarning says where the kernel refused."""
+    (benchmarks.pages times both). A RuntimeWarning says where the kernel refused, and
+    the TBE's `collapse_refused` (None where not asked) tells the results files."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -40,7 +41,8 @@ def build_tbe(rows, dims, dtype, huge_pages: bool = True):
         embedding_specs=[(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(rows, dims)],
         optimizer=EmbOptimType.EXACT_SGD, pooling_mode=PoolingMode.SUM,
         weights_precision=fbgemm_precision(dtype), output_dtype=SparseType.FP32, device=torch.device("cpu"))
-    if huge_pages and not collapse_onto_huge_pages(tbe.weights_host):
+    tbe.collapse_refused = None if not huge_pages else not collapse_onto_huge_pages(tbe.weights_host)
+    if tbe.collapse_refused:
         warnings.warn("FBGEMM's TBE weights stay where torch put them (the kernel refused "
                       "madvise(MADV_COLLAPSE)): its lookups from memory may run on 4 KiB pages "
                       "while ibp_embed's payloads have huge pages", RuntimeWarning, stacklevel=2)
