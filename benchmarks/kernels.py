@@ -40,6 +40,24 @@ MODES = {"fresh": "rows in a new order every call (as a lookup's rows)",
 GBPS_LINE = 10.0  # issue 11: decode at 10 GB/s a core or more, for every word size
 
 
+def step_mix(weights: torch.Tensor, table) -> dict:
+    """What sets a word size's decode apart on this table: its stored bytes a row (payload,
+    index and codebook over the rows) and the share of the SIMD steps (512 bits of
+    words) of its encoded rows whose words all participate, which the AVX-512 kernels
+    decode directly (no field offsets to compute; see native/ibp_isa_avx512.c)."""
+    W, rows = table.word_bits, weights.shape[0]
+    words = weights.contiguous().view(torch.uint8).numpy().reshape(rows, -1)
+    words = words.view({16: np.uint16, 32: np.uint32, 64: np.uint64}[W]).astype(np.uint64)
+    lanes = 512 // W
+    steps = words.shape[1] // lanes
+    cid = table.cluster_ids().astype(np.int64)
+    enc = cid >= 0  # raw rows are copied whole
+    m, v = table.masks[cid[enc]], table.bitvals[cid[enc]]
+    part = ((words[enc] & m) == v)[:, :steps * lanes].reshape(-1, steps, lanes)
+    return {"bytes_per_row": table.nbytes / rows,
+            "direct_steps": float(part.all(axis=2).mean()) if part.size else 0.0}
+
+
 def decode_targets(runs: list, kernel_set: str) -> dict:
     """Issue 11's decode lines for one kernel set, rows in a new order every call (as a
     lookup's): every table at every word size >= 10 GB/s of decoded rows, and W = 16 and
@@ -133,7 +151,7 @@ def main(argv=None) -> dict:
                              for name, sec in time_sets(table, sets, args.repeats, mode == "fresh").items()}
                       for mode in MODES}
                 runs.append({"init": init, "dtype": str(dtype), "dim": dim, "word_bits": w,
-                             "row_bytes": table._row_bytes,
+                             "row_bytes": table._row_bytes, **step_mix(weights, table),
                              "ns_per_row_fresh": ns["fresh"], "ns_per_row_repeated": ns["repeated"]})
                 for mode in MODES:
                     rows[mode].append([init, f"{str(dtype)[6:]} d{dim}", w] +
@@ -145,6 +163,10 @@ def main(argv=None) -> dict:
     for mode, title in MODES.items():
         print(f"\n{title}\n")
         print(common.markdown_table(["init", "table", "W", *sets], rows[mode]))
+    print("\nthe encodings: stored bytes a row, and the share of steps whose words all participate\n")
+    print(common.markdown_table(["init", "table", "W", "bytes a row", "direct steps"],
+                                [[r["init"], f"{r['dtype'][6:]} d{r['dim']}", r["word_bits"],
+                                  f"{r['bytes_per_row']:.1f}", f"{r['direct_steps']:.3f}"] for r in runs]))
     targets = decode_targets(runs, picked)
     print("\n" + format_decode_targets(targets))
     return common.save_runs("kernels", vars(args) | {"sets": sets}, runs, args.results_dir, issue11_decode=targets)

@@ -78,3 +78,28 @@ def test_decode_targets_at_their_lines():
     assert not kernels.decode_targets(runs, "generic")["gbps_met"]  # the set asked for, not another
     short = kernels.decode_targets([_case("torchrec", 64, 12.8, row_bytes=128)], "avx512")  # fp16 d64 rows
     assert short["gbps"][0]["gbps"] == 10.0 and short["gbps_met"]
+
+
+def test_step_mix_counts_the_steps_whose_words_all_participate():
+    """step_mix against a word-by-word count through the reference's words."""
+    import torch
+    from ibp_embed import compress, datasets, reference
+    for dtype, dim, w in ((torch.float16, 64, 16), (torch.float32, 32, 32), (torch.float16, 64, 64)):
+        weights = datasets.make_trained_like_table(300, dim, dtype)
+        bits = weights.view(torch.uint8)
+        bits[:5] = torch.randint(0, 256, bits[:5].shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(w))
+        table = compress(weights, word_bits=w, progress=False)
+        raw, cid, lanes = weights.contiguous().view(torch.uint8).numpy(), table.cluster_ids(), 512 // w
+        assert (cid < 0).any()  # random bits: rows stored raw, which have no steps
+        full = total = 0
+        for r in range(300):
+            if cid[r] < 0:  # stored raw: no steps
+                continue
+            words = reference.row_words(raw[r].tobytes(), w)
+            m, v = table.masks[cid[r]], table.bitvals[cid[r]]
+            for s in range(len(words) // lanes):
+                total += 1
+                full += all(int(words[j]) & int(m[j]) == int(v[j]) for j in range(s * lanes, (s + 1) * lanes))
+        got = kernels.step_mix(weights, table)
+        assert got["direct_steps"] == full / total and 0 < full < total  # some of each
+        assert got["bytes_per_row"] == table.nbytes / 300
