@@ -168,8 +168,8 @@ typedef struct ibp_lookup_job {
 } ibp_lookup_job;
 
 /* Run n_jobs lookups (of a batch's tables) together, their bags spread over the
- * threads in one parallel region. On an error, *failed_job (when not NULL) is the
- * first job that failed; the outputs are then unspecified. */
+ * threads in one parallel region (none with one thread). On an error, *failed_job
+ * (when not NULL) is the first job that failed; the outputs are then unspecified. */
 int ibp_lookup_many(const ibp_lookup_job *jobs, uint64_t n_jobs, uint64_t *failed_job);
 
 /* ---- Updatable tables (training) ----
