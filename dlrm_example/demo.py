@@ -21,7 +21,6 @@ tables (98% of the rows) on the IBP kernel and keeps the small ones on FBGEMM.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -43,8 +42,15 @@ def _args(backend: str, a) -> argparse.Namespace:
     return train_parser().parse_args(argv)
 
 
+# passes over the lookup batches; the fastest is reported. Each backend is timed in its own
+# run, seconds apart, on a host whose speed moves: with the median of 3 passes, two runs of
+# `make demo` on the Zen 4 VM printed ibp at 0.55x and at 1.56x torchrec's samples/s
+LOOKUP_PASSES = 15
+
+
 def _throughput(ebc, batches, repeats: int):
-    """(samples/s, ids/s) of the sharded ebc(kjt) under no_grad, median over repeats."""
+    """(samples/s, ids/s) of the sharded ebc(kjt) under no_grad, in the fastest of
+    `repeats` passes over the batches (after one pass to warm up)."""
     n_ids = sum(int(b.values.numel()) for b in batches)
     n_samples = sum(b.size for b in batches)
     kjts = [b.kjt() for b in batches]
@@ -54,7 +60,7 @@ def _throughput(ebc, batches, repeats: int):
         return out.wait() if hasattr(out, "wait") else out
 
     with torch.no_grad():
-        for k in kjts[:2]:
+        for k in kjts:
             run(k)  # warm-up
         times = []
         for _ in range(repeats):
@@ -62,7 +68,7 @@ def _throughput(ebc, batches, repeats: int):
             for k in kjts:
                 run(k)
             times.append(time.perf_counter() - t)
-    t = statistics.median(times)
+    t = min(times)
     return n_samples / t, n_ids / t
 
 
@@ -96,7 +102,7 @@ def main(argv=None) -> int:
             built, data = run.built, run.data
             batches = [data.eval_batch(i, a.batch_size) for i in range(a.lookup_batches)]
             r = dict(run.result)
-            r["lookup"] = _throughput(built.ebc, batches, repeats=3)
+            r["lookup"] = _throughput(built.ebc, batches, repeats=LOOKUP_PASSES)
             r["memory"] = table_memory(built)
             r["ibp_tables"] = list(built.ibp_tables)
             results[backend] = r
@@ -134,7 +140,7 @@ def main(argv=None) -> int:
     print(f"  {'optimizer state (uncompressed)':32}{_mib(mt['optimizer_state']):>24}"
           f"{_mib(m['optimizer_state']):>22}")
     print(f"lookup throughput (sharded embedding collection forward, no grad, {a.lookup_batches} batches of "
-          f"{a.batch_size}):")
+          f"{a.batch_size}, fastest of {LOOKUP_PASSES} passes):")
     print(f"  {'samples/s':32}{tr['lookup'][0]:>24,.0f}{ib['lookup'][0]:>22,.0f}")
     print(f"  {'ids/s':32}{tr['lookup'][1]:>24,.0f}{ib['lookup'][1]:>22,.0f}")
     return 0

@@ -302,3 +302,19 @@ def test_two_ranks_with_torchrun_match_across_backends(tmp_path):
             assert all(r < 0.75 * total for r in raw), (raw, total)  # shards, not replicas
         finals[backend] = final_line(p.stdout)
     assert finals["ibp"].replace("backend=ibp", "") == finals["torchrec"].replace("backend=torchrec", "")
+
+
+def test_demo_lookup_throughput_is_the_fastest_pass(monkeypatch):
+    """make demo's lookup line: the fastest of the timed passes (after a warm-up pass),
+    not a median of a few, which swung from 0.55x to 1.56x between two runs."""
+    from types import SimpleNamespace
+
+    from dlrm_example import demo
+
+    calls = []
+    batches = [SimpleNamespace(values=torch.zeros(6), size=2, kjt=lambda k=k: k) for k in range(3)]
+    ticks = iter([10.0, 13.0, 20.0, 21.0, 30.0, 32.0])  # passes of 3, 1 and 2 s
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(ticks))
+    samples, ids = demo._throughput(lambda kjt: calls.append(kjt) or torch.zeros(1), batches, repeats=3)
+    assert (samples, ids) == (6 / 1.0, 18 / 1.0)
+    assert calls == [0, 1, 2] * 4  # one warm-up pass over every batch, then the three timed
