@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from ibp_embed import _native, compress, datasets
+from ibp_embed.codec import _as_words
+from ibp_embed.dtypes import as_rows
 
 from . import common
 
@@ -46,8 +48,7 @@ def step_mix(weights: torch.Tensor, table) -> dict:
     words) of its encoded rows whose words all participate, which the AVX-512 kernels
     decode directly (no field offsets to compute; see native/ibp_isa_avx512.c)."""
     W, rows = table.word_bits, weights.shape[0]
-    words = weights.contiguous().view(torch.uint8).numpy().reshape(rows, -1)
-    words = words.view({16: np.uint16, 32: np.uint32, 64: np.uint64}[W]).astype(np.uint64)
+    words = _as_words(as_rows(weights)[0], W).astype(np.uint64)  # the format's words, as compress reads them
     lanes = 512 // W
     steps = words.shape[1] // lanes
     cid = table.cluster_ids().astype(np.int64)
