@@ -36,5 +36,17 @@
  * overread was covered, the cold prefetches took fp16 d64 rows 1.03-1.07x the time
  * from memory. */
 #define IBP_COLD_WHOLE_ROWS 1
+/* The W = 64 steps prefetch the row far ahead a line a step where rows are likely in
+ * memory (cold_rows), as AVX-512's steps do: a burst of the row's lines held the decode
+ * up behind it (perf put 14% of a uniform fp32 d128 lookup's decode samples right after
+ * the bursts' prefetches). 1 thread, --isa v3, a Zen 4 EPYC, against the burst:
+ * benchmarks.ab decode-cold fp32 d128 0.84-0.86x the time (trained-like 0.83-0.85x),
+ * both orders; benchmarks.ab_set over make bench's five tables of 66k-304k rows, B4096 x
+ * P20, median of rounds: fp32 d128 uniform 0.93x, Zipf 0.94x, trained-like uniform
+ * 0.91x; fp32 d64 and fp16 d64 uniform 1.01x and 0.99x (noise). Rows likely in cache
+ * keep the burst (IBP_STEP_PREFETCH_WARM 0): stepped, new fp32 d64 rows in cache took
+ * 1.05-1.09x the time (decode-fresh), fp32 d128 1.00-1.04x. */
+#define IBP_STEP_PREFETCH 1
+#define IBP_STEP_PREFETCH_WARM 0
 #define IBP_ROW_OVERREAD 17
 #include "ibp_rowcodec.inc"
