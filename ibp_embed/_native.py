@@ -46,9 +46,11 @@ def _load(path: Path):
     if not path.exists():
         raise NativeLibraryError(
             f"the native library {path} is missing: run `make` in {_ROOT} to build it")
-    # libibp's OpenMP runtime is not the one inside torch; two runtimes whose idle
-    # workers spin slow each other down badly on few cores. Ours waits passively
-    # unless the user chose a policy (libgomp reads it once, when it loads).
+    # Where libibp brings an OpenMP runtime of its own (torch built with another one,
+    # or not loaded yet), two runtimes whose idle workers spin slow each other down
+    # badly on few cores: ours waits passively unless the user chose a policy (libgomp
+    # reads it once, when it loads). Torch's wheels ship a libgomp of the same soname,
+    # which libibp then shares (the package imports torch first): this comes too late.
     chosen = "OMP_WAIT_POLICY" in os.environ
     if not chosen:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -80,6 +82,20 @@ KERNEL_SETS = {"generic": lib.IBP_ISA_GENERIC, "v3": lib.IBP_ISA_V3, "v3-no-pdep
                "avx512": lib.IBP_ISA_AVX512}
 
 
+def _kernels_from_env() -> None:
+    """$IBP_ISA picks the row kernels by name (KERNEL_SETS), as FBGEMM_ENABLE_INSTRUCTIONS
+    caps FBGEMM's: to time or check the kernels another CPU would run (x86-64-v3 on an
+    AVX-512 CPU), or to step around one. Unset: the best this CPU runs."""
+    name = os.environ.get("IBP_ISA")
+    if not name:
+        return
+    if name not in KERNEL_SETS:
+        raise NativeLibraryError(f"IBP_ISA={name!r} names no kernel set: one of {', '.join(KERNEL_SETS)}")
+    if lib.ibp_set_isa(KERNEL_SETS[name]) != lib.IBP_OK:
+        runs = ", ".join(runnable_kernel_sets())
+        raise NativeLibraryError(f"IBP_ISA={name}: this CPU cannot run the {name} kernels (it runs {runs})")
+
+
 def runnable_kernel_sets() -> dict:
     """{name: IBP_ISA_*} of the KERNEL_SETS this CPU runs (lib.ibp_set_isa takes them)."""
     before = lib.ibp_isa()
@@ -87,6 +103,9 @@ def runnable_kernel_sets() -> dict:
         return {name: isa for name, isa in KERNEL_SETS.items() if lib.ibp_set_isa(isa) == lib.IBP_OK}
     finally:
         lib.ibp_set_isa(before)
+
+
+_kernels_from_env()
 
 
 def check(rc: int, what: str) -> None:

@@ -1,0 +1,52 @@
+"""The native library's loader: $IBP_ISA picks the row kernels, or says why it cannot."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ibp_embed import _native
+
+ROOT = Path(__file__).resolve().parent.parent
+PICKED = ("from ibp_embed import _native; "
+          "print({v: k for k, v in _native.KERNEL_SETS.items()}[_native.lib.ibp_isa()])")
+
+
+def load_with(isa: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PICKED], env={**os.environ, "IBP_ISA": isa, "PYTHONPATH": str(ROOT)},
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_ibp_isa_picks_the_kernels():
+    r = load_with("generic")  # every CPU runs the portable kernels
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["generic"]
+
+
+def test_ibp_isa_names_a_kernel_set():
+    r = load_with("avx2")
+    assert r.returncode != 0
+    assert "IBP_ISA='avx2' names no kernel set: one of generic, v3, v3-no-pdep, avx512" in r.stderr
+
+
+def test_ibp_isa_this_cpu_cannot_run(monkeypatch):
+    """A set the CPU lacks (here: the library refusing avx512, as it does on such a CPU)."""
+    real = _native.lib
+
+    class WithoutAvx512:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def ibp_set_isa(self, isa):
+            return real.IBP_E_ARG if isa == real.IBP_ISA_AVX512 else real.ibp_set_isa(isa)
+
+    before = real.ibp_isa()
+    monkeypatch.setattr(_native, "lib", WithoutAvx512())
+    monkeypatch.setenv("IBP_ISA", "avx512")
+    try:
+        with pytest.raises(_native.NativeLibraryError,
+                           match=r"IBP_ISA=avx512: this CPU cannot run the avx512 kernels \(it runs generic"):
+            _native._kernels_from_env()
+    finally:
+        real.ibp_set_isa(before)
