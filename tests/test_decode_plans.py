@@ -442,6 +442,39 @@ def test_a_row_of_no_bytes_is_corrupt_where_no_row_is_stored_full():
         assert_decodes(t, payload[:32].reshape(1, 32), torch.tensor([1]))
 
 
+@pytest.mark.parametrize("cut", ["empty", "one byte", "header less one"])
+def test_rows_shorter_than_their_header_are_corrupt_in_the_row_loops(cut):
+    """A row cut shorter than its header (only a table taken without validation holds
+    one) among rows of a one-mask fp32 table, which the row loops decode (x86-64-v3:
+    step_rows_loop, AVX-512: decode_packed_rows): every instruction set reports it, alone
+    and in a run of rows, and decodes the rows around it."""
+    from ibp_embed._native import lib
+
+    g = torch.Generator().manual_seed(67)
+    w = 1 + torch.rand(200, 64, generator=g)
+    w[torch.rand(w.shape, generator=g) < 0.01] *= 1024  # another exponent: the word does not participate
+    t = ibp_embed.compress(w, word_bits=64)
+    assert t.clusters == 1 and not t.is_raw
+    hdr_bytes, bad = 64 * 4 // 8 // 8, 100
+    starts, lengths = t._row_starts(), t.row_lengths()
+    rows = [t._payload[int(s):int(s) + int(n)] for s, n in zip(starts, lengths)]
+    rows[bad] = rows[bad][:{"empty": 0, "one byte": 1, "header less one": hdr_bytes - 1}[cut]]
+    ends = np.cumsum([0] + [r.size for r in rows]).astype(np.uint64)
+    block_base = ends[:-1:64].copy()
+    rel = (ends - block_base[np.minimum(np.arange(ends.size) // 64, block_base.size - 1)]).astype(np.uint16)
+    payload = np.zeros(int(ends[-1]) + lib.ibp_tail_pad(256, 64), dtype=np.uint8)
+    payload[:int(ends[-1])] = np.concatenate(rows)
+    cut_table = ibp_embed.CompressedTable(shape=t.shape, dtype=torch.float32, word_bits=64, masks=t.masks,
+                                          bitvals=t.bitvals, block_base=block_base, rel=rel, payload=payload,
+                                          payload_bytes=int(ends[-1]), validate=False)
+    others = torch.cat([torch.arange(bad - 30, bad), torch.arange(bad + 1, bad + 30)])
+    for _ in every_isa():
+        for ids in (torch.tensor([bad]), torch.arange(bad - 30, bad + 30)):
+            with pytest.raises(ibp_embed.FormatError):
+                cut_table.gather(ids)
+        assert_decodes(cut_table, w[others], others)
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["general-steps", "direct-steps"])
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
 @pytest.mark.parametrize("kind", ["float32", "float16", "int8-three-runs"])
