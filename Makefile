@@ -85,6 +85,9 @@ test: all
 	PYTHONPATH=tests/torchrec_suite/shim $(PY) -m pytest -q -c tests/torchrec_suite/pytest.ini \
 		--rootdir tests/torchrec_suite tests/torchrec_suite
 
+# The lookups judge issue 11's targets on the median of three runs (a single run moved a
+# line by up to 0.16x); --quick stays one run. LOOKUP_ARGS overrides.
+LOOKUP_ARGS ?= $(if $(filter --quick,$(ARGS)),,--runs 3)
 bench: all
 	$(PY) -m benchmarks.lookup $(ARGS) $(LOOKUP_ARGS)
 	$(PY) -m benchmarks.codec $(ARGS)
