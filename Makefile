@@ -86,8 +86,8 @@ test: all
 		--rootdir tests/torchrec_suite tests/torchrec_suite
 
 # The lookups judge issue 11's targets on the median of three runs (a single run moved a
-# line by up to 0.16x); --quick stays one run. LOOKUP_ARGS overrides.
-LOOKUP_ARGS ?= $(if $(filter --quick,$(ARGS)),,--runs 3)
+# line by up to 0.16x); --quick, or a --runs of ARGS, keeps its own count. LOOKUP_ARGS overrides.
+LOOKUP_ARGS ?= $(if $(filter --quick --runs%,$(ARGS)),,--runs 3)
 bench: all
 	$(PY) -m benchmarks.lookup $(ARGS) $(LOOKUP_ARGS)
 	$(PY) -m benchmarks.codec $(ARGS)
