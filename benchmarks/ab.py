@@ -25,7 +25,11 @@ Measurements, 1 thread, each call of A followed by the same call of B:
 - `lookup-cold`: `lookup` after the 64 MiB write, as in a model whose other tables and
   layers run between two lookups into a table: a batch repeated finds its rows in L3
   (a uniform batch into 506k fp16 d64 rows names 9 MB of them), so `lookup` times
-  rows from L3 where a model reads them from memory.
+  rows from L3 where a model reads them from memory;
+- `lookup-stream`: every call a batch that no call before it named, each build its own
+  (drawn alike), as a server's requests come: rows a batch shares with earlier ones (a
+  Zipf batch's hot rows) are in cache, the others come from where the table lies. The
+  builds' outputs are compared on one batch both look up first.
 
 Timing two builds on the same input one after the other favours the second, which finds
 what the first left in cache (15-20% on fp16 tables that nearly fit the cache), so every
@@ -73,7 +77,7 @@ from ibp_embed.dtypes import LOOKUP_DTYPES
 
 from . import common
 
-WHAT = ("decode", "decode-fresh", "decode-cold", "encode", "lookup", "lookup-fresh", "lookup-cold")
+WHAT = ("decode", "decode-fresh", "decode-cold", "encode", "lookup", "lookup-fresh", "lookup-cold", "lookup-stream")
 LOOKUP_BATCHES = 8
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLUSH_BYTES = 64 << 20
@@ -211,15 +215,44 @@ def same_outputs(each: dict, outs: dict) -> None:
             raise SystemExit("ab: the two builds' outputs differ")
 
 
+def lookup_ids(args, seed: int) -> np.ndarray:
+    """A batch's ids (args.batch x args.pooling of args.dist)."""
+    n = args.batch * args.pooling
+    return (datasets.zipf_ids(n, args.rows, args.alpha, seed=seed, perm_seed=3) if args.dist == "zipf" else
+            datasets.uniform_ids(n, args.rows, seed=seed)).numpy().astype(np.int64)
+
+
+def measure_stream(libs: dict, table, args, orders) -> list[dict]:
+    """measure()'s `lookup-stream`: each build's calls take batches of their own, each once."""
+    dtype, n = DTYPES[args.dtype], args.batch * args.pooling
+    offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
+    outs = {k: np.empty((args.batch, args.dim), np.float32) for k in libs}
+    first = lookup_ids(args, 0)
+    if len(libs) == 2:
+        same_outputs({k: [lookup_call(lib, table, dtype, first, offsets, outs[k])] for k, lib in libs.items()}, outs)
+    results, seed, batches = [], 1, []  # batches: alive while their calls may run
+    for order in orders:
+        calls = {}
+        for k in order:
+            mine = [lookup_ids(args, s) for s in range(seed, seed + args.repeats + 1)]  # and the warm-up's
+            seed += len(mine)
+            batches.append(mine)
+            calls[k] = common.in_turn([lookup_call(libs[k], table, dtype, b, offsets, outs[k]) for b in mine])
+        got = time_pair(calls, {}, args.repeats, None)  # other batches: outputs not comparable
+        results.append({"order": ", ".join(order), **got, "units": n, "digest": digest(outs[order[0]])})
+    return results
+
+
 def measure(what: str, libs: dict, table, args, orders=(("A", "B"), ("B", "A"))) -> list[dict]:
     """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ..., 'digest': ...}, ...]
-    (the digest of the outputs, equal for both builds)."""
+    (the digest of the outputs, equal for both builds; for lookup-stream, of the last batch
+    of the order's first build)."""
     dtype = DTYPES[args.dtype]
+    if what == "lookup-stream":
+        return measure_stream(libs, table, args, orders)
     if what in ("lookup", "lookup-fresh", "lookup-cold"):
         n = args.batch * args.pooling
-        batches = [(datasets.zipf_ids(n, args.rows, args.alpha, seed=s, perm_seed=3) if args.dist == "zipf" else
-                    datasets.uniform_ids(n, args.rows, seed=s)).numpy().astype(np.int64)
-                   for s in range(1, 1 + (LOOKUP_BATCHES if what == "lookup-fresh" else 1))]
+        batches = [lookup_ids(args, s) for s in range(1, 1 + (LOOKUP_BATCHES if what == "lookup-fresh" else 1))]
         ids = batches[0]
         offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
         outs = {k: np.empty((args.batch, args.dim), np.float32) for k in libs}

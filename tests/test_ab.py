@@ -29,6 +29,8 @@ def test_two_built_libraries_in_both_orders(tmp_path):
     for fresh, same in (("decode-fresh", "decode"), ("lookup-fresh", "lookup")):
         runs = got["runs"][fresh]  # a new order or batch every call, both orders ending on the same one
         assert runs[0]["digest"] == runs[1]["digest"] and runs[0]["digest"] != got["runs"][same][0]["digest"]
+    stream = got["runs"]["lookup-stream"]  # every call a batch of its own: the orders end on different ones
+    assert stream[0]["digest"] != stream[1]["digest"] != got["runs"]["lookup"][0]["digest"]
     saved = json.loads(next(tmp_path.glob("ab-*.json")).read_text())
     assert saved["config"]["dtype"] == "float16" and saved["config"]["word_bits"] == 16
 
@@ -36,9 +38,10 @@ def test_two_built_libraries_in_both_orders(tmp_path):
 def test_isolated_builds_run_in_processes_of_their_own(tmp_path):
     """--isolated: each build timed in its own process, both orders, the same output."""
     lib = package_library()
-    got = ab.main([lib, lib, *TINY, "--what", "decode,lookup", "--isolated", "--results-dir", str(tmp_path)])
+    got = ab.main([lib, lib, *TINY, "--what", "decode,lookup,lookup-stream", "--isolated",
+                   "--results-dir", str(tmp_path)])
     assert got["config"]["isolated"]
-    for what in ("decode", "lookup"):
+    for what in ("decode", "lookup", "lookup-stream"):
         orders = got["runs"][what]
         assert [r["order"] for r in orders] == ["A, B", "B, A"]
         assert orders[0]["digest"] == orders[1]["digest"]  # the same table and ids in every process
