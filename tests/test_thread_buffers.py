@@ -25,7 +25,7 @@ def test_release_frees_every_threads_buffers_and_lookups_go_on(threads):
         ibp_embed.release_thread_buffers()
         got = t.lookup(ids, offsets)
         t.lookup(uniform, offsets)
-        t.lookup(ids[:40], offsets[:11])  # under 64 ids: the row cache
+        t.lookup(ids[:12], offsets[:4])  # under 16 ids: the row cache
         held = ibp_embed.release_thread_buffers()
         assert held > 4 * 40_000  # the lookup's row cache and scratch, on every thread
         assert ibp_embed.release_thread_buffers() == 0  # nothing left to free
