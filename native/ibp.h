@@ -102,6 +102,10 @@ int ibp_isa(void);
 /* Force a kernel set (tests, benchmarks); IBP_E_ARG if this CPU lacks it. */
 int ibp_set_isa(int isa);
 
+/* Bytes of one core's L2 cache as libibp takes them (sysconf at load time, 256 KB to 64
+ * MB; 1 MB where the system does not say): what its rules of thumb compare tables,
+ * scratches and outputs with (ibp_spans.inc, ibp_pool.inc). */
+uint64_t ibp_l2_bytes(void);
 /* Bytes that must be readable past the payload's end (decoders over-read). */
 uint64_t ibp_tail_pad(uint32_t row_bytes, uint32_t word_bits);
 /* Offset index width for rows of this size (2 or 4), 0 if rows are too large. */

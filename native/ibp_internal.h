@@ -51,9 +51,6 @@ extern const ibp_kernels ibp_kernels_avx512;
 extern const ibp_kernels ibp_kernels_v3_no_pdep; /* the v3 kernels with portable extract/deposit */
 
 int ibp_threads(void);
-/* Bytes of one core's L2 cache (sysconf; 1 MB where the system does not say): up to
- * that size float32 rows are pooled without prefetching (ibp_pool.inc). */
-uint64_t ibp_l2_bytes(void);
 /* Whether the CPU is AMD's (or Hygon's): how far pooled rows may lie without
  * prefetches differs from Intel's cores (ibp_pool.inc). */
 int ibp_cpu_amd(void);

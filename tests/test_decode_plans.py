@@ -664,3 +664,37 @@ def test_packed_rows_loop_from_memory(word_bits, outliers):
     ids = torch.randint(0, n, (9000,), generator=g)
     assert raw_rows[ids].any()
     assert_gathers_and_reports_a_corrupt_row(t, w, ids, raw_rows)
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_few_rows_gathered_from_a_large_table(word_bits):
+    """A gather of a few rows (1 to 200: outputs far below L2) from a table of more than
+    8 times L2 (rows_in_memory; here 19 MB of 256-byte rows, over that on cores of up to
+    2 MB of L2) takes the prefetches of rows from memory (the far rows into L2, the index
+    entries a chunk ahead) where cold_rows allows (W = 64, and runs of rows): calls
+    shorter than a chunk, of one chunk and of one row more, every instruction set bit
+    for bit, raw rows copied as stored and a corrupt row reported."""
+    from ibp_embed._native import lib
+
+    g = torch.Generator().manual_seed(73)
+    n = 100_000
+    w = 1 + 0.99 * torch.rand(n, 64, generator=g)
+    odd = torch.rand(w.shape, generator=g) < 0.05
+    w[odd] *= 64  # another exponent: the word does not participate
+    raw_rows = torch.arange(n) % 89 == 7
+    w.view(torch.uint8)[raw_rows] = torch.randint(0, 256, w.view(torch.uint8)[raw_rows].shape, generator=g,
+                                                  dtype=torch.uint8)
+    t = ibp_embed.compress(w, word_bits=word_bits)
+    assert t.clusters == 1 and not t.is_raw
+    if t._payload_bytes <= 8 * lib.ibp_l2_bytes():
+        pytest.skip(f"an L2 of {lib.ibp_l2_bytes() >> 20} MB: the table would take the prefetches for rows in cache")
+    from io_cases import single_thread
+
+    with single_thread():
+        for m in (1, 7, 63, 64, 65):
+            ids = torch.randint(0, n, (m,), generator=g)
+            for _ in every_isa():
+                assert_decodes(t, w[ids], ids)
+    ids = torch.randint(0, n, (200,), generator=g)
+    assert raw_rows[ids].any()
+    assert_gathers_and_reports_a_corrupt_row(t, w, ids, raw_rows)
