@@ -15,6 +15,9 @@ Measurements, 1 thread, each call of A followed by the same call of B:
   the branch predictor cannot learn, as it cannot a lookup's rows: `decode` measures
   learnt branches (fp32 d64 rows 0.6x the time of these on a Zen 4);
 - `decode-cold`: every 5th row of the table, a 64 MiB buffer written before each call;
+- `decode-stream`: every call m rows drawn anew (uniformly) from the whole table, each
+  build its own (drawn alike): a gather's rows from where the table lies (memory, for a
+  table much larger than the caches), as lookup-stream's below;
 - `encode`: rows 0..m of the table encoded again with its codebook (rows that stay in cache;
   the call includes zeroing the payload, which encode ORs into);
 - `lookup`: one pooled lookup (sum) of a B x P batch of Zipf or uniform ids;
@@ -77,7 +80,8 @@ from ibp_embed.dtypes import LOOKUP_DTYPES
 
 from . import common
 
-WHAT = ("decode", "decode-fresh", "decode-cold", "encode", "lookup", "lookup-fresh", "lookup-cold", "lookup-stream")
+WHAT = ("decode", "decode-fresh", "decode-cold", "decode-stream", "encode", "lookup", "lookup-fresh", "lookup-cold",
+        "lookup-stream")
 LOOKUP_BATCHES = 8
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLUSH_BYTES = 64 << 20
@@ -222,22 +226,34 @@ def lookup_ids(args, seed: int) -> np.ndarray:
             datasets.uniform_ids(n, args.rows, seed=seed)).numpy().astype(np.int64)
 
 
-def measure_stream(libs: dict, table, args, orders) -> list[dict]:
-    """measure()'s `lookup-stream`: each build's calls take batches of their own, each once."""
-    dtype, n = DTYPES[args.dtype], args.batch * args.pooling
+def measure_stream(what: str, libs: dict, table, args, orders) -> list[dict]:
+    """measure()'s `lookup-stream` and `decode-stream`: each build's calls take batches
+    (rows) of their own, each once."""
+    dtype = DTYPES[args.dtype]
+    gather = what == "decode-stream"  # cached_rows rows drawn from the whole table, as a gather's
+    n = args.cached_rows if gather else args.batch * args.pooling
     offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
-    outs = {k: np.empty((args.batch, args.dim), np.float32) for k in libs}
-    first = lookup_ids(args, 0)
+    outs = {k: np.empty((n, args.dim * dtype.itemsize), np.uint8) if gather else
+            np.empty((args.batch, args.dim), np.float32) for k in libs}
+
+    def ids_of(seed: int) -> np.ndarray:
+        return datasets.uniform_ids(n, args.rows, seed=seed).numpy().astype(np.int64) if gather else \
+            lookup_ids(args, seed)
+
+    def call(lib, ids: np.ndarray, out: np.ndarray):
+        return decode_call(lib, table, ids, out) if gather else lookup_call(lib, table, dtype, ids, offsets, out)
+
+    first = ids_of(0)
     if len(libs) == 2:
-        same_outputs({k: [lookup_call(lib, table, dtype, first, offsets, outs[k])] for k, lib in libs.items()}, outs)
+        same_outputs({k: [call(lib, first, outs[k])] for k, lib in libs.items()}, outs)
     results, seed, batches = [], 1, []  # batches: alive while their calls may run
     for order in orders:
         calls = {}
         for k in order:
-            mine = [lookup_ids(args, s) for s in range(seed, seed + args.repeats + 1)]  # and the warm-up's
+            mine = [ids_of(s) for s in range(seed, seed + args.repeats + 1)]  # and the warm-up's
             seed += len(mine)
             batches.append(mine)
-            calls[k] = common.in_turn([lookup_call(libs[k], table, dtype, b, offsets, outs[k]) for b in mine])
+            calls[k] = common.in_turn([call(libs[k], b, outs[k]) for b in mine])
         got = time_pair(calls, {}, args.repeats, None)  # other batches: outputs not comparable
         results.append({"order": ", ".join(order), **got, "units": n, "digest": digest(outs[order[0]])})
     return results
@@ -245,11 +261,11 @@ def measure_stream(libs: dict, table, args, orders) -> list[dict]:
 
 def measure(what: str, libs: dict, table, args, orders=(("A", "B"), ("B", "A"))) -> list[dict]:
     """Both orders of one measurement: [{'order': 'A, B', 'A': ..., 'B': ..., 'digest': ...}, ...]
-    (the digest of the outputs, equal for both builds; for lookup-stream, of the last batch
+    (the digest of the outputs, equal for both builds; for the streams, of the last call
     of the order's first build)."""
     dtype = DTYPES[args.dtype]
-    if what == "lookup-stream":
-        return measure_stream(libs, table, args, orders)
+    if what.endswith("-stream"):
+        return measure_stream(what, libs, table, args, orders)
     if what in ("lookup", "lookup-fresh", "lookup-cold"):
         n = args.batch * args.pooling
         batches = [lookup_ids(args, s) for s in range(1, 1 + (LOOKUP_BATCHES if what == "lookup-fresh" else 1))]
@@ -351,7 +367,7 @@ def parse(argv=None):
     p.add_argument("--word-bits", type=int, choices=(16, 32, 64), help="default: compress picks")
     p.add_argument("--clusters", type=int, default=1, help="the most clusters compress may keep (default 1)")
     p.add_argument("--rows", type=int, default=101_312, help="table rows (default: the quick set's 101k table)")
-    p.add_argument("--cached-rows", type=int, default=1000, help="rows decoded by `decode` and `decode-fresh` (default 1000)")
+    p.add_argument("--cached-rows", type=int, default=1000, help="rows decoded by `decode`, `decode-fresh` and `decode-stream` (default 1000)")
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--dist", choices=("zipf", "uniform"), default="zipf")

@@ -29,8 +29,9 @@ def test_two_built_libraries_in_both_orders(tmp_path):
     for fresh, same in (("decode-fresh", "decode"), ("lookup-fresh", "lookup")):
         runs = got["runs"][fresh]  # a new order or batch every call, both orders ending on the same one
         assert runs[0]["digest"] == runs[1]["digest"] and runs[0]["digest"] != got["runs"][same][0]["digest"]
-    stream = got["runs"]["lookup-stream"]  # every call a batch of its own: the orders end on different ones
-    assert stream[0]["digest"] != stream[1]["digest"] != got["runs"]["lookup"][0]["digest"]
+    for stream, same in (("lookup-stream", "lookup"), ("decode-stream", "decode")):
+        runs = got["runs"][stream]  # every call ids of its own: the orders end on different ones
+        assert runs[0]["digest"] != runs[1]["digest"] != got["runs"][same][0]["digest"]
     saved = json.loads(next(tmp_path.glob("ab-*.json")).read_text())
     assert saved["config"]["dtype"] == "float16" and saved["config"]["word_bits"] == 16
 
