@@ -7,8 +7,10 @@ libibp picks one kernel set at load time (`ibp_isa`: AVX-512, x86-64-v3 with pde
 x86-64-v3 with bit loops for CPUs that microcode pdep, or portable C); each can be
 forced (`ibp_set_isa`), so one process can time them all on the same tables. Per
 table (torchrec init and trained-like, each dtype and word size), 1,000 rows spread
-over the table are decoded into a buffer that stays in cache, 1 thread; the sets'
-calls alternate in each round, so a change of machine load hits them alike, each
+over the table are decoded into a buffer of each set's, 1 thread (the rows and the four
+buffers, 2.5 MB of fp32 d128, do not all stay in L2; libibp takes the prefetches for
+rows in memory for the fp32 d128 table, of more than 8 times L2: rows_in_memory in
+native/ibp_spans.inc); the sets' calls alternate in each round, so a change of machine load hits them alike, each
 round in its own order (common.round_orders: no set always after the same other). Each
 call takes the rows in a new order (one of common.FRESH_ORDERS, in turn), as a
 lookup's distinct rows are new to the branch predictor in every batch; the same
