@@ -666,17 +666,13 @@ def test_packed_rows_loop_from_memory(word_bits, outliers):
     assert_gathers_and_reports_a_corrupt_row(t, w, ids, raw_rows)
 
 
-@pytest.mark.parametrize("word_bits", [16, 32, 64])
-def test_few_rows_gathered_from_a_large_table(word_bits):
-    """A gather of a few rows (1 to 200: outputs far below L2) from a table of more than
-    8 times L2 (rows_in_memory; here 19 MB of 256-byte rows, over that on cores of up to
-    2 MB of L2) takes the prefetches of rows from memory (the far rows into L2, the index
-    entries a chunk ahead) where cold_rows allows (W = 64, and runs of rows): calls
-    shorter than a chunk, of one chunk and of one row more, every instruction set bit
-    for bit, raw rows copied as stored and a corrupt row reported."""
+def large_table(word_bits: int, seed: int):
+    """A table of more than 8 times L2 (rows_in_memory; 19 MB of 256-byte rows, over
+    that on cores of up to 2 MB of L2; skips where L2 is larger): weights, the table and
+    the rows stored raw (random bits)."""
     from ibp_embed._native import lib
 
-    g = torch.Generator().manual_seed(73)
+    g = torch.Generator().manual_seed(seed)
     n = 100_000
     w = 1 + 0.99 * torch.rand(n, 64, generator=g)
     odd = torch.rand(w.shape, generator=g) < 0.05
@@ -688,13 +684,53 @@ def test_few_rows_gathered_from_a_large_table(word_bits):
     assert t.clusters == 1 and not t.is_raw
     if t._payload_bytes <= 8 * lib.ibp_l2_bytes():
         pytest.skip(f"an L2 of {lib.ibp_l2_bytes() >> 20} MB: the table would take the prefetches for rows in cache")
+    return w, t, raw_rows
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+def test_few_rows_gathered_from_a_large_table(word_bits):
+    """A gather of a few rows (1 to 200: outputs far below L2) from a table of more than
+    8 times L2 takes the prefetches of rows from memory (rows_in_memory: the far rows
+    into L2, the index entries a chunk ahead) where cold_rows allows (W = 64, and runs
+    of rows): calls shorter than a chunk, of one chunk and of one row more, every
+    instruction set bit for bit, raw rows copied as stored and a corrupt row reported."""
     from io_cases import single_thread
 
+    w, t, raw_rows = large_table(word_bits, 73)
+    g = torch.Generator().manual_seed(74)
     with single_thread():
         for m in (1, 7, 63, 64, 65):
-            ids = torch.randint(0, n, (m,), generator=g)
+            ids = torch.randint(0, t.shape[0], (m,), generator=g)
             for _ in every_isa():
                 assert_decodes(t, w[ids], ids)
-    ids = torch.randint(0, n, (200,), generator=g)
+    ids = torch.randint(0, t.shape[0], (200,), generator=g)
     assert raw_rows[ids].any()
     assert_gathers_and_reports_a_corrupt_row(t, w, ids, raw_rows)
+
+
+@pytest.mark.parametrize("word_bits", [16, 64])
+def test_small_lookups_into_a_large_table(word_bits):
+    """Lookups of fewer than 16 ids (the row cache's calls) into a table of more than 8
+    times L2 decode their misses with the prefetches of rows from memory (rows_in_memory)
+    where cold_rows allows: every instruction set's sums, mean and weighted bags among
+    them, are the bits of the same bags pooled from the rows stored raw (libibp's pooling
+    of a raw table: no decode), raw rows and repeated ids included."""
+    from io_cases import single_thread
+
+    w, t, raw_rows = large_table(word_bits, 75)
+    plain = ibp_embed.CompressedTable.raw(w.view(torch.uint8).numpy(), torch.float32, 64)
+    g = torch.Generator().manual_seed(76)
+    raw_ids = torch.nonzero(raw_rows).reshape(-1)
+    with single_thread():
+        for lengths in ([1], [3, 0, 4], [5, 5, 5], [15]):
+            off = torch.tensor([0, *lengths]).cumsum(0)
+            ids = torch.randint(0, t.shape[0], (int(off[-1]),), generator=g)
+            ids[0] = raw_ids[int(torch.randint(0, raw_ids.numel(), (1,), generator=g))]
+            if ids.numel() > 2:
+                ids[-1] = ids[1]  # an id again: a hit
+            weights = torch.rand(ids.numel(), generator=g)
+            for mode, psw in (("sum", None), ("mean", None), ("sum", weights)):
+                want = plain.lookup(ids, off, per_sample_weights=psw, mode=mode).view(torch.int32)
+                for _ in every_isa():
+                    got = t.lookup(ids, off, per_sample_weights=psw, mode=mode)
+                    assert torch.equal(got.view(torch.int32), want), (lengths, mode, psw is not None)
