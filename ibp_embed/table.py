@@ -66,12 +66,17 @@ class TableReads:
         """Rows at `indices` (any shape of integers), bit-exact: shape indices.shape + (D,)."""
         idx = _as_index_array(indices, "indices")
         flat = idx.reshape(-1)
-        _check_range(flat, self._shape[0])
-        out = np.empty((flat.size, self._row_bytes), dtype=np.uint8)
+        # libibp checks every id before it writes a row, so the range is looked at here only
+        # to name a bad id, and the rows go straight into the tensor: a gather of 20 rows
+        # took 10.1 us with both done here first, 6.5 without (the range alone 2.2)
+        out = torch.empty((flat.size, self._shape[1]), dtype=self._dtype)
         if flat.size:
-            _native.check(self._native_decode(_native.ptr(flat, "const int64_t *"), flat.size,
-                                              _native.ptr(out, "uint8_t *")), "gather")
-        return rows_to_tensor(out, self._dtype, self._shape[1]).reshape(*idx.shape, self._shape[1])
+            rc = self._native_decode(_native.ptr(flat, "const int64_t *"), flat.size,
+                                     ffi.cast("uint8_t *", out.data_ptr()))
+            if rc == lib.IBP_E_INDEX:
+                _check_range(flat, self._shape[0])
+            _native.check(rc, "gather")
+        return out.reshape(*idx.shape, self._shape[1])
 
     def lookup(self, indices, offsets, per_sample_weights=None, mode: str = "sum") -> torch.Tensor:
         """Pooled lookup as in TorchRec: bag b pools rows indices[offsets[b]:offsets[b+1]].
