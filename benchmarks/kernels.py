@@ -10,8 +10,8 @@ table (torchrec init and trained-like, each dtype and word size), 1,000 rows spr
 over the table are decoded into a buffer of each set's, 1 thread (the rows and the four
 buffers, 2.5 MB of fp32 d128, do not all stay in L2; libibp takes the prefetches for
 rows in memory for the fp32 d128 table, of more than 8 times L2: rows_in_memory in
-native/ibp_spans.inc); the sets' calls alternate in each round, so a change of machine load hits them alike, each
-round in its own order (common.round_orders: no set always after the same other). Each
+native/ibp_spans.inc); the sets' calls alternate in each round, so a change of machine
+load hits them alike, each round in its own order (common.round_orders: no set always after the same other). Each
 call takes the rows in a new order (one of common.FRESH_ORDERS, in turn), as a
 lookup's distinct rows are new to the branch predictor in every batch; the same
 rows in the same order every call ("repeated"), whose branches the predictor
