@@ -318,6 +318,36 @@ def test_gather_out_of_range(bad):
             table.gather(np.array(bad).reshape(1, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.quint4x2, torch.quint2x4, torch.float8_e4m3fn])
+def test_gather_returns_the_stored_bytes_of_packed_dtypes(dtype):
+    """A row is D elements of itemsize bytes, whatever torch makes of them: quint4x2 and
+    quint2x4 tensors hold two and four values a byte, so an output allocated by element
+    would hold half or a quarter of the rows libibp writes."""
+    w = torch.randint(0, 256, (300, 16), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+    t = ibp_embed.compress(w.view(dtype))
+    got = t.gather(np.arange(299, -1, -1))
+    assert got.dtype == dtype and got.shape == (300, 16)
+    assert torch.equal(got.view(torch.uint8), w.flip(0))
+
+
+def test_reads_stay_on_the_cpu_under_another_default_device():
+    """gather and lookup decode into CPU tensors whatever torch's default device (here
+    meta, whose tensors have no memory for libibp); the torch.ops.ibp operators too (their
+    kernels run outside the device mode)."""
+    from ibp_embed import ops
+
+    t = ibp_embed.compress(structured(300, 8, torch.float32))
+    tt = ops.table_tensors(t)
+    args = [tt[k] for k in ops.TABLE_TENSORS] + [tt["meta"], torch.float32]
+    ids, off = torch.tensor([5, 0, 299]), torch.tensor([0, 2, 3])
+    want = (t.gather(ids), t.lookup(ids, off))
+    with torch.device("meta"):
+        got = (t.gather(ids), t.lookup(ids, off), torch.ops.ibp.gather(*args, ids, "t"),
+               torch.ops.ibp.pooled_lookup(*args, ids, off, None, 0, "t"))
+    for g, w in zip(got, want + want):
+        assert g.device.type == "cpu" and torch.equal(g, w)
+
+
 def test_gather_uint64_too_large():
     t = ibp_embed.compress(structured(10, 4, torch.float32))
     with pytest.raises(IndexError):
