@@ -178,7 +178,7 @@ class PackedJobs:
         their bounds: lookup_many's TBE layout); elsewhere it must (JobCache's KJTs),
         or a key's start could lie outside values. An out-of-range id raises
         IndexError naming what(job)."""
-        out = torch.empty((n_bags, self.width), dtype=torch.float32)
+        out = torch.empty((n_bags, self.width), dtype=torch.float32, device="cpu")  # libibp writes it
         n = self._rows.size
         if n == 0 or n_bags == 0:
             return out
@@ -214,7 +214,7 @@ class PackedJobs:
         its float32 weights' address (0: none). libibp checks every id it reads and
         that the offsets run from 0 to the count without decreasing; where it refuses
         a job: (the output or None, libibp's return code, the failed job)."""
-        out = torch.empty((n_bags, self.width), dtype=torch.float32)
+        out = torch.empty((n_bags, self.width), dtype=torch.float32, device="cpu")  # libibp writes it
         if self._rows.size == 0:
             return out, lib.IBP_OK, 0
         words, jobs = self._jobs()  # (B = 0 too: libibp checks that no ids come without bags)

@@ -331,20 +331,21 @@ def test_gather_returns_the_stored_bytes_of_packed_dtypes(dtype):
 
 
 def test_reads_stay_on_the_cpu_under_another_default_device():
-    """gather and lookup decode into CPU tensors whatever torch's default device (here
-    meta, whose tensors have no memory for libibp); the torch.ops.ibp operators too (their
-    kernels run outside the device mode)."""
+    """gather, lookup and lookup_many decode into CPU tensors whatever torch's default
+    device (here meta, whose tensors have no memory for libibp); the torch.ops.ibp
+    operators too (their kernels run outside the device mode)."""
     from ibp_embed import ops
 
     t = ibp_embed.compress(structured(300, 8, torch.float32))
     tt = ops.table_tensors(t)
     args = [tt[k] for k in ops.TABLE_TENSORS] + [tt["meta"], torch.float32]
-    ids, off = torch.tensor([5, 0, 299]), torch.tensor([0, 2, 3])
+    ids, off, off2 = torch.tensor([5, 0, 299]), torch.tensor([0, 2, 3]), torch.tensor([0, 2, 3, 3, 3])
     want = (t.gather(ids), t.lookup(ids, off))
     with torch.device("meta"):
         got = (t.gather(ids), t.lookup(ids, off), torch.ops.ibp.gather(*args, ids, "t"),
-               torch.ops.ibp.pooled_lookup(*args, ids, off, None, 0, "t"))
-    for g, w in zip(got, want + want):
+               torch.ops.ibp.pooled_lookup(*args, ids, off, None, 0, "t"),
+               ibp_embed.lookup_many([t, t], ids, off2)[:, :8])
+    for g, w in zip(got, want + want + (want[1],)):
         assert g.device.type == "cpu" and torch.equal(g, w)
 
 
