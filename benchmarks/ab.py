@@ -232,7 +232,7 @@ def measure_stream(what: str, libs: dict, table, args, orders) -> list[dict]:
     dtype = DTYPES[args.dtype]
     gather = what == "decode-stream"  # cached_rows rows drawn from the whole table, as a gather's
     n = args.cached_rows if gather else args.batch * args.pooling
-    offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
+    offsets = None if gather else np.arange(0, n + 1, args.pooling, dtype=np.int64)
     outs = {k: np.empty((n, args.dim * dtype.itemsize), np.uint8) if gather else
             np.empty((args.batch, args.dim), np.float32) for k in libs}
 
