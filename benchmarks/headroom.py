@@ -1,21 +1,25 @@
-"""How much of a table set's batched lookup is decoding: `lookup_many` over the compressed tables and over the same weights stored raw, with FBGEMM's TBE, in the same rounds.
+"""How much of a table set's batched lookup is decoding: `lookup_many` over the compressed tables, over the same weights stored uncompressed and stored raw, with FBGEMM's TBE, in the same rounds.
 
     python -m benchmarks.headroom --scale 0.05 --min-rows 10000 --dim 64 --dist uniform
 
-The raw tables (CompressedTable.raw) go through the same native lookup (its
-deduplication, windows, prefetches and pooling) but decode nothing and read no index:
-the gap between the two ibp rows is what the packed rows cost, and the raw row against
-FBGEMM's what the lookup's own machinery does. Beside the times, the cache lines that a
-looked-up row's bytes span where they lie in memory (a packed row's from wherever it
-starts in its line), plus the line of its index entry where the table's rows differ in
-length (the block bases, 8 bytes a 64 rows, and the bytes a decode reads past a row are
-not counted); averaged over the batch's ids, repeats included (the lookup decodes each
-distinct id once): a model of what a lookup reads, not a measurement. Small tables that
-a call pools from a decoded copy (up to 1 MB raw, few ids a row: small batches) read
-neither layout. Each round times the three in its own order (common.round_orders); the
-outputs are checked first (the raw tables' sums bit for bit against the compressed
-ones', FBGEMM's to 1e-4). 1 thread. Results: a markdown table and
-benchmarks/results/headroom-<UTC time>.json.
+Two uncompressed forms of the same weights: `ibp uncompressed`, a table of one cluster
+without invariant bits, so that every row is stored whole (uncompressed_table): the
+lookup takes the compressed tables' path (deduplication into a scratch, or decode
+windows where the ids repeat too little; a copy for a decode) but reads no index; and
+`ibp raw`, a raw table (CompressedTable.raw), which the lookup pools straight from its
+rows as FBGEMM does (no deduplication, no windows). The gap between `ibp` and `ibp
+uncompressed` is what decoding the packed rows costs; between `ibp uncompressed` and
+`ibp raw`, what the path that decoding needs costs on the same bytes. Beside the times,
+the cache lines that a looked-up row's bytes span where they lie in memory (a packed
+row's from wherever it starts in its line), plus the line of its index entry where the
+table's rows differ in length (the block bases, 8 bytes a 64 rows, and the bytes a
+decode reads past a row are not counted); averaged over the batch's ids, repeats
+included (the lookup decodes each distinct id once): a model of what a lookup reads,
+not a measurement. Small tables that a call pools from a decoded copy (up to 1 MB raw,
+few ids a row: small batches) read neither layout. Each round times the four in its
+own order (common.round_orders); the outputs are checked first (the uncompressed and
+raw tables' sums bit for bit against the compressed ones', FBGEMM's to 1e-4). 1
+thread. Results: a markdown table and benchmarks/results/headroom-<UTC time>.json.
 """
 from __future__ import annotations
 
@@ -26,14 +30,35 @@ import numpy as np
 import torch
 
 import ibp_embed
-from ibp_embed import CompressedTable
+from ibp_embed import CompressedTable, _native, hostmem
 from ibp_embed.dtypes import as_rows
 
 from . import common
 from .ab_set import add_set_args, check_set_args, make_set
 from .lookup.workloads import Workload, make_batch
 
-SYSTEMS = ("fbgemm", "ibp", "ibp raw")
+SYSTEMS = ("fbgemm", "ibp", "ibp uncompressed", "ibp raw")
+
+
+def uncompressed_table(weights: torch.Tensor, word_bits: int) -> CompressedTable:
+    """The rows of `weights` as a table of one cluster without invariant bits: every row
+    stored whole (a row whose encoding would be as long as it is), back to back from a
+    line's start. Lookups take the compressed tables' path over it (its decode copies the
+    rows) and, its rows being of one length, read no index."""
+    rows, dtype, dim = as_rows(weights)
+    n_rows, row_bytes = rows.shape
+    n_words = -(-row_bytes // (word_bits // 8))
+    starts = np.arange(n_rows + 1, dtype=np.uint64) * np.uint64(row_bytes)
+    block_base = np.ascontiguousarray(starts[::64])  # start(64 b), b = 0 .. n_rows // 64
+    rel_dtype = np.uint16 if _native.lib.ibp_rel_bytes(row_bytes) == 2 else np.uint32
+    rel = (starts - np.repeat(block_base, 64)[:n_rows + 1]).astype(rel_dtype)
+    size = n_rows * row_bytes + _native.lib.ibp_tail_pad(row_bytes, word_bits)
+    buf = hostmem.zeros(size + 64)
+    payload = buf[-buf.ctypes.data % 64:][:size]
+    payload[:n_rows * row_bytes].reshape(n_rows, row_bytes)[:] = rows
+    zeros = np.zeros((1, n_words), np.uint64)
+    return CompressedTable(shape=(n_rows, dim), dtype=dtype, word_bits=word_bits, masks=zeros, bitvals=zeros,
+                           block_base=block_base, rel=rel, payload=payload, payload_bytes=n_rows * row_bytes)
 
 
 def lines_spanned(address: int, starts: np.ndarray, lengths) -> float:
@@ -71,22 +96,26 @@ def main(argv=None) -> dict:
     if tbe is None:
         raise SystemExit(f"headroom: FBGEMM has no CPU kernel for {args.dtype}")
     tables = [ibp_embed.compress(w, word_bits=args.word_bits, progress=False) for w in weights]
+    whole = [uncompressed_table(w, args.word_bits) for w in weights]
     raw = [CompressedTable.raw(*as_rows(w), word_bits=args.word_bits) for w in weights]
     batch = make_batch(ts.rows, Workload(args.batch, args.pooling, None if args.dist == "uniform" else args.alpha),
                        0, ts.perm_seeds())
     fns = {"fbgemm": lambda: tbe(batch.values, batch.offsets),
            "ibp": lambda: ibp_embed.lookup_many(tables, batch.values, batch.offsets),
+           "ibp uncompressed": lambda: ibp_embed.lookup_many(whole, batch.values, batch.offsets),
            "ibp raw": lambda: ibp_embed.lookup_many(raw, batch.values, batch.offsets)}
     with torch.no_grad(), common.threads(1):
         outs = {name: fn() for name, fn in fns.items()}
-        if not torch.equal(outs["ibp"].view(torch.int32), outs["ibp raw"].view(torch.int32)):
-            raise SystemExit("headroom: the raw tables' sums differ from the compressed tables'")
+        for name in ("ibp uncompressed", "ibp raw"):
+            if not torch.equal(outs["ibp"].view(torch.int32), outs[name].view(torch.int32)):
+                raise SystemExit(f"headroom: the {name.split()[1]} tables' sums differ from the compressed tables'")
         if not torch.allclose(outs["ibp"], outs["fbgemm"], rtol=1e-4, atol=1e-4):
             raise SystemExit("headroom: ibp's sums differ from FBGEMM's")
         timed = common.time_interleaved(fns, repeats=args.rounds, shuffle=True)
     ids = [f[0] for f in batch.features]  # each table's ids
     lines = {"fbgemm": float(np.mean([tbe_lines(w, i) for w, i in zip(weights, ids)])),
              "ibp": float(np.mean([table_lines(t, i) for t, i in zip(tables, ids)])),
+             "ibp uncompressed": float(np.mean([table_lines(t, i) for t, i in zip(whole, ids)])),
              "ibp raw": float(np.mean([table_lines(t, i) for t, i in zip(raw, ids)]))}
     fbgemm = np.asarray(timed["fbgemm"]["times_s"])
     lookups = int(batch.values.numel())

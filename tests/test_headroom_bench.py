@@ -16,30 +16,65 @@ from ibp_embed.dtypes import as_rows  # noqa: E402
 TINY = ["--scale", "1e-6", "--min-rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "3", "--rounds", "3"]
 
 
-def test_times_the_three_systems_and_saves_them(tmp_path):
+def test_times_the_four_systems_and_saves_them(tmp_path):
     got = headroom.main([*TINY, "--dist", "uniform", "--results-dir", str(tmp_path)])
     (run,) = got["runs"]
     assert set(run) == set(headroom.SYSTEMS)
     assert all(r["median_ms"] > 0 and r["speed_vs_fbgemm_median"] > 0 for r in run.values())
     tiny_lookups = 15 * 32 * 3  # fifteen 1000-row tables, B32 x P3
     assert all(r["ns_per_lookup_median"] == pytest.approx(r["median_ms"] * 1e6 / tiny_lookups) for r in run.values())
-    # 32-byte rows (in the model: the tiny tables are pooled from decoded copies): a raw
-    # one, or FBGEMM's, lies in one line; packed ones cross lines and read the index
-    assert run["fbgemm"]["lines_per_row"] == run["ibp raw"]["lines_per_row"] == 1.0 < run["ibp"]["lines_per_row"]
+    # 32-byte rows (in the model: the tiny tables are pooled from decoded copies): a raw or
+    # uncompressed one, or FBGEMM's, lies in one line; packed ones cross lines and read the index
+    assert (run["fbgemm"]["lines_per_row"] == run["ibp raw"]["lines_per_row"] ==
+            run["ibp uncompressed"]["lines_per_row"] == 1.0 < run["ibp"]["lines_per_row"])
     saved = json.loads(next(tmp_path.glob("headroom-*.json")).read_text())
     assert "1000-1000 rows" in saved["config"]["label"] and saved["config"]["rounds"] == 3
 
 
-def test_refuses_raw_tables_whose_sums_differ(tmp_path, monkeypatch):
-    def other_rows(weights):  # the raw copies' rows (compress reads its own)
-        rows, dtype, dim = as_rows(weights)
-        rows = rows.copy()
-        rows[:, 2] ^= 0x40  # the top mantissa bit of each row's first float
-        return rows, dtype, dim
+def spoiled(rows: np.ndarray) -> np.ndarray:
+    rows = rows.copy()
+    rows[:, 2] ^= 0x40  # the top mantissa bit of each row's first float
+    return rows
 
-    monkeypatch.setattr(headroom, "as_rows", other_rows)
+
+def test_refuses_uncompressed_tables_whose_sums_differ(tmp_path, monkeypatch):
+    build = headroom.uncompressed_table
+
+    def other_rows(weights, word_bits):
+        return build(torch.from_numpy(spoiled(weights.numpy().view(np.uint8)).view(np.float32)), word_bits)
+
+    monkeypatch.setattr(headroom, "uncompressed_table", other_rows)
+    with pytest.raises(SystemExit, match="uncompressed tables' sums differ"):
+        headroom.main([*TINY, "--results-dir", str(tmp_path)])
+
+
+def test_refuses_raw_tables_whose_sums_differ(tmp_path, monkeypatch):
+    class SpoiledRaw(CompressedTable):  # headroom's raw copies only (compress stores tiny tables raw too)
+        @classmethod
+        def raw(cls, rows, dtype, dim, word_bits=64):
+            return CompressedTable.raw(spoiled(rows), dtype, dim, word_bits)
+
+    monkeypatch.setattr(headroom, "CompressedTable", SpoiledRaw)
     with pytest.raises(SystemExit, match="raw tables' sums differ"):
         headroom.main([*TINY, "--results-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("word_bits", [16, 32, 64])
+@pytest.mark.parametrize("n_rows,dim", [(1, 3), (64, 8), (200, 40)])
+def test_uncompressed_table_stores_every_row_whole(n_rows, dim, word_bits):
+    g = torch.Generator().manual_seed(n_rows)
+    weights = torch.randn(n_rows, dim, generator=g)
+    bits = weights.view(torch.int32)
+    bits[0, 0] = 0x7FC00123  # a NaN with a payload
+    bits[-1, -1] = -0x80000000  # -0.0
+    table = headroom.uncompressed_table(weights, word_bits)
+    assert table.clusters == 1 and table.word_bits == word_bits and not table.is_raw
+    assert (table.row_lengths() == dim * 4).all()  # every row stored whole
+    assert table._c.fixed_len == dim * 4  # found without the index
+    assert table._payload.ctypes.data % 64 == 0
+    assert torch.equal(table.decompress().view(torch.int32), bits)
+    ids = torch.tensor([n_rows - 1, 0, n_rows // 2])
+    assert torch.equal(table.gather(ids).view(torch.int32), bits[ids])
 
 
 def test_lines_count_where_rows_lie():
