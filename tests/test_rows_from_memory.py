@@ -64,7 +64,7 @@ def assert_gathers_and_reports_a_corrupt_row(t, w, ids, raw_rows):
 def test_short_rows_from_memory(word_bits, outliers, dtype):
     """Rows of 128 and 256 bytes (d64) gathered into more than L2 holds (5-10 MB on 1
     thread) take the prefetches of rows from memory where the loop steps them (far_rows:
-    32 or 16 rows ahead into L2, the spans of the next chunk's rows included): rows of
+    32 rows ahead into L2, the spans of the next chunk's rows included): rows of
     one exponent are all whole (decode_full_rows_cold); with 5% outliers, rows are
     packed rows (decode_packed_rows_cold, some rows raw; fp16 rows, of two steps, in its
     unrolled form). Every instruction set must decode them bit for bit and report a
