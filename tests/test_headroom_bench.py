@@ -1,4 +1,4 @@
-"""benchmarks/headroom.py: compressed against raw tables and FBGEMM, on a tiny table set."""
+"""benchmarks/headroom.py: compressed against uncompressed and raw tables and FBGEMM, on a tiny table set."""
 import json
 import sys
 from pathlib import Path
@@ -60,7 +60,7 @@ def test_refuses_raw_tables_whose_sums_differ(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("word_bits", [16, 32, 64])
-@pytest.mark.parametrize("n_rows,dim", [(1, 3), (64, 8), (200, 40)])
+@pytest.mark.parametrize("n_rows,dim", [(1, 3), (64, 8), (200, 40), (100, 300)])  # 1200-byte rows: 4-byte rel
 def test_uncompressed_table_stores_every_row_whole(n_rows, dim, word_bits):
     g = torch.Generator().manual_seed(n_rows)
     weights = torch.randn(n_rows, dim, generator=g)
@@ -89,6 +89,28 @@ def test_lines_count_where_rows_lie():
     raw = CompressedTable.raw(rows, dtype, dim)  # its payload starts on a line: no index read
     assert headroom.table_lines(raw, np.arange(4)) == 1.5
     assert headroom.tbe_lines(torch.zeros(4, 16), np.arange(4)) == 1.0  # torch's 64-byte aligned storage
+
+
+
+@pytest.mark.parametrize("dist", ["zipf", "uniform"])
+def test_uncompressed_table_takes_the_packed_tables_path(dist):
+    """Pooled lookups over an uncompressed table of more rows than a call's row cache has
+    slots (1.5 MB of them) take the packed tables' path (Zipf ids: the deduplication's
+    scratch; uniform ids, 88% distinct: decode windows) and pool its rows bit for bit as
+    the raw table pools them straight."""
+    from ibp_embed.datasets import uniform_ids, zipf_ids
+
+    n_rows, dim, bags, pooling = 8000, 40, 256, 8
+    weights = torch.randn(n_rows, dim, generator=torch.Generator().manual_seed(5))
+    n = bags * pooling
+    ids = zipf_ids(n, n_rows, 1.05, seed=3) if dist == "zipf" else uniform_ids(n, n_rows, seed=3)
+    offsets = torch.arange(0, n + 1, pooling)
+    table = headroom.uncompressed_table(weights, 64)
+    raw = CompressedTable.raw(*as_rows(weights))
+    got, want = table.lookup(ids, offsets), raw.lookup(ids, offsets)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.allclose(want, torch.nn.functional.embedding_bag(ids, weights, offsets, mode="sum", include_last_offset=True),
+                          atol=1e-5)
 
 
 @pytest.mark.parametrize("bad", [["--rounds", "0"], ["--scale", "0"], ["--alpha", "-1"]])

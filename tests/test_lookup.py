@@ -293,7 +293,7 @@ def test_lookup_deduplicated_path_pools_exactly(threads, n_rows, dim, n, bags, a
     a hash table of the ids where it has many (over 256: the 1.1M-row table; every
     distinct row to the scratch); uniform ids, mostly distinct, are decoded one by
     one in windows instead (512-byte rows: with the prefetches for rows in memory,
-    256-byte rows too where the decoders step them, 16 rows ahead; 8229 ids: a last
+    256-byte rows too where the decoders step them, 32 rows ahead; 8229 ids: a last
     window of 37). Its sums must be the cached path's, bit for bit, with weights, MEAN,
     empty bags, bags longer than a window and a bad id reported."""
     from ibp_embed.datasets import uniform_ids, zipf_ids
