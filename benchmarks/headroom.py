@@ -43,8 +43,8 @@ SYSTEMS = ("fbgemm", "ibp", "ibp uncompressed", "ibp raw")
 def uncompressed_table(weights: torch.Tensor, word_bits: int) -> CompressedTable:
     """The rows of `weights` as a table of one cluster without invariant bits: every row
     stored whole (its encoding, every word's W bits and the participation bits, would be
-    longer), back to back from a line's start. Lookups take the compressed tables' path over it (its decode copies the
-    rows) and, its rows being of one length, read no index."""
+    longer), back to back from a line's start. Lookups take the compressed tables' path
+    over it (its decode copies the rows) and, its rows being of one length, read no index."""
     rows, dtype, dim = as_rows(weights)
     n_rows, row_bytes = rows.shape
     n_words = -(-row_bytes // (word_bits // 8))

@@ -109,8 +109,8 @@ def test_uncompressed_table_takes_the_packed_tables_path(dist):
     raw = CompressedTable.raw(*as_rows(weights))
     got, want = table.lookup(ids, offsets), raw.lookup(ids, offsets)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert torch.allclose(want, torch.nn.functional.embedding_bag(ids, weights, offsets, mode="sum", include_last_offset=True),
-                          atol=1e-5)
+    pooled = torch.nn.functional.embedding_bag(ids, weights, offsets, mode="sum", include_last_offset=True)
+    assert torch.allclose(want, pooled, atol=1e-5)
 
 
 @pytest.mark.parametrize("bad", [["--rounds", "0"], ["--scale", "0"], ["--alpha", "-1"]])
