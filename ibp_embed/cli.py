@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from . import _native
 from .codec import compress, index_nbytes
-from .dtypes import NUMPY_TO_TORCH, check_dtype, dtype_name
+from .dtypes import NUMPY_TO_TORCH, check_dense, check_dtype, dtype_name
 from .errors import FormatError
 from .io import read_header
 from .table import load
@@ -156,9 +156,10 @@ def _check_2d(tensor: torch.Tensor, path: Path, key: str | None) -> None:
     where = f"{path}[{key!r}]" if key is not None else str(path)
     if tensor.dim() != 2:
         raise CLIError(f"{where}: shape {tuple(tensor.shape)}; an embedding table is 2-D [rows, dim]")
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise CLIError(f"{where}: a {tensor.layout} / quantized tensor is not supported; "
-                       f"a dense tensor is needed")
+    try:
+        check_dense(tensor, where)
+    except TypeError as e:
+        raise CLIError(str(e)) from None
     try:
         check_dtype(tensor.dtype)
     except TypeError as e:

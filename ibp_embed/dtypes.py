@@ -38,6 +38,15 @@ def check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"dtype {dtype} is not supported: elements must be 1, 2, 4 or 8 bytes, not complex")
 
 
+def check_dense(tensor: torch.Tensor, name: str = "weights") -> None:
+    """Tables hold dense values: a sparse tensor has no rows to read as bytes, and a
+    quantized one's bytes mean nothing without its scale and zero point (and torch's
+    view of them as bytes crashes the process)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"{name}: a {tensor.layout} / quantized tensor is not supported; a dense tensor is "
+                        f"needed (a quantized one's int_repr(), its scale and zero point kept apart)")
+
+
 def as_rows(weights, name: str = "weights") -> tuple[np.ndarray, torch.dtype, int]:
     """(rows as a C-contiguous uint8 [N, D * itemsize] array, dtype, D) of a 2-D tensor or array.
 
@@ -49,6 +58,7 @@ def as_rows(weights, name: str = "weights") -> tuple[np.ndarray, torch.dtype, in
         weights = torch.from_numpy(np.ascontiguousarray(weights))
     if not isinstance(weights, torch.Tensor):
         raise TypeError(f"{name} must be a 2-D torch.Tensor or numpy.ndarray, not {type(weights).__name__}")
+    check_dense(weights, name)
     if weights.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(weights.shape)}")
     check_dtype(weights.dtype)
@@ -56,7 +66,7 @@ def as_rows(weights, name: str = "weights") -> tuple[np.ndarray, torch.dtype, in
         raise ValueError(f"{name} must have at least one column")
     if weights.device.type == "meta":
         raise ValueError(f"{name} on the meta device have no values to compress")
-    t = weights.detach().to("cpu").contiguous()
+    t = weights.detach().to("cpu").resolve_neg().contiguous()  # a negative view's bytes are not its values
     if t.shape[0] == 0:  # an empty tensor may keep zero strides, which view() rejects
         return np.empty((0, t.shape[1] * t.element_size()), np.uint8), t.dtype, int(t.shape[1])
     rows = t.view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size()).numpy()

@@ -318,6 +318,24 @@ def test_gather_out_of_range(bad):
             table.gather(np.array(bad).reshape(1, -1))
 
 
+@pytest.mark.parametrize("make", [
+    lambda w: torch.quantize_per_tensor(w, 0.1, 0, torch.quint8),  # viewed as bytes, torch crashed the process
+    lambda w: torch.quantize_per_tensor(w, 0.1, 0, torch.quint4x2),
+    lambda w: w.to_sparse(),
+    lambda w: w.to_sparse_csr(),
+], ids=["quint8", "quint4x2", "sparse-coo", "sparse-csr"])
+def test_compress_refuses_quantized_and_sparse_tensors(make):
+    w = make(torch.rand(40, 8))
+    with pytest.raises(TypeError, match="quantized tensor is not supported; a dense tensor is needed"):
+        ibp_embed.compress(w)
+
+
+def test_compress_takes_a_negative_view_by_its_values():
+    w = torch.randn(50, 8, generator=torch.Generator().manual_seed(3))
+    t = ibp_embed.compress(torch._neg_view(w))
+    assert torch.equal(t.decompress().view(torch.int32), (-w).view(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.quint4x2, torch.quint2x4, torch.float8_e4m3fn])
 def test_gather_returns_the_stored_bytes_of_packed_dtypes(dtype):
     """A row is D elements of itemsize bytes, whatever torch makes of them: quint4x2 and
