@@ -31,6 +31,7 @@ import torch
 
 import ibp_embed
 from ibp_embed import CompressedTable, _native, hostmem
+from ibp_embed.codec import split_offsets
 from ibp_embed.dtypes import as_rows
 
 from . import common
@@ -48,10 +49,7 @@ def uncompressed_table(weights: torch.Tensor, word_bits: int) -> CompressedTable
     rows, dtype, dim = as_rows(weights)
     n_rows, row_bytes = rows.shape
     n_words = -(-row_bytes // (word_bits // 8))
-    starts = np.arange(n_rows + 1, dtype=np.uint64) * np.uint64(row_bytes)
-    block_base = np.ascontiguousarray(starts[::64])  # start(64 b), b = 0 .. n_rows // 64
-    rel_dtype = np.uint16 if _native.lib.ibp_rel_bytes(row_bytes) == 2 else np.uint32
-    rel = (starts - np.repeat(block_base, 64)[:n_rows + 1]).astype(rel_dtype)
+    block_base, rel = split_offsets(np.arange(n_rows + 1, dtype=np.uint64) * np.uint64(row_bytes), row_bytes)
     size = n_rows * row_bytes + _native.lib.ibp_tail_pad(row_bytes, word_bits)
     buf = hostmem.zeros(size + 64)
     payload = buf[-buf.ctypes.data % 64:][:size]
