@@ -353,6 +353,38 @@ def test_decode_plans_weigh_two_extras_at_w16(case):
                 assert_decodes(t, w[many], many)
 
 
+def test_two_extras_at_w16_past_the_windows_first_register():
+    """A W = 16 step whose lanes take two extras reads its fields from a second 64-byte
+    register where its bits, from the step's first bit in its byte, pass 512
+    (step_fields16): the packed loop must decide that on the step's bits counted with
+    both extras. It once counted only the first (the low halves' 1 bit) when choosing
+    the window, so that a step of every word not participating (512 bits) after a step
+    of odd bits cut its last lane's field from the first register alone, wrapping
+    around it: one float a row in 20,000 of a trained-like fp32 d128 table came back
+    with its sign bit wrong. Values in [1, 2) with the mantissa's last bit clear (9
+    invariant bits in the high half, 1 in the low); in a third of the rows, one word of
+    the first step has that bit set (7 bits more: the later steps start at an odd bit)
+    and a later step's words all move (another exponent, the bit set). Every
+    instruction set must decode the rows bit for bit, in order and scattered."""
+    g = torch.Generator().manual_seed(91)
+    n = 1500
+    w = 1 + torch.rand(n, 128, generator=g)
+    w.view(torch.int32)[:] &= ~1
+    heavy = torch.nonzero(torch.rand(n, generator=g) < 0.3).flatten()
+    for r, s in zip(heavy.tolist(), torch.randint(1, 8, (len(heavy),), generator=g).tolist()):
+        w.view(torch.int32)[r, int(torch.randint(0, 16, (1,), generator=g))] |= 1
+        w[r, 16 * s: 16 * s + 16] *= 1024
+        w.view(torch.int32)[r, 16 * s: 16 * s + 16] |= 1
+    t = ibp_embed.compress(w, word_bits=16)
+    assert t.clusters == 1 and lane_extras(t) == [[1, 9]] * 8
+    assert (t.row_lengths()[heavy] < 512).all()  # encoded, not stored raw
+    ids = torch.randint(0, n, (2000,), generator=g)
+    for _ in every_isa():
+        assert_decodes(t, w)
+        assert_decodes(t, w[ids], ids)
+        assert_decodes(t, w[heavy], heavy)
+
+
 @pytest.mark.parametrize("clusters", [1, 4])
 def test_runs_of_full_rows_stop_at_other_rows(clusters):
     """Where nearly all rows have every word participating (here 97%), the AVX-512
