@@ -35,7 +35,7 @@ import torch
 from . import _native
 from .dtypes import LOOKUP_DTYPES
 from .errors import FormatError, NativeLibraryError
-from .table import CompressedTable
+from .table import CompressedTable, _as_float_array
 
 _ROOT = Path(__file__).resolve().parent.parent
 _HEADER = _ROOT / "native" / "cuda" / "ibp_cuda.h"
@@ -344,8 +344,8 @@ class CudaTable(_Placed):
         w = None
         if per_sample_weights is not None:
             w = per_sample_weights
-            if not isinstance(w, torch.Tensor):
-                w = torch.as_tensor(np.asarray(w, dtype=np.float32))
+            if not isinstance(w, torch.Tensor) or w.is_complex() or w.dtype == torch.bool:
+                w = torch.from_numpy(_as_float_array(w))  # real numbers only (its TypeError)
             w = w.to(self._device, torch.float32).contiguous().reshape(-1)
             if w.numel() != idx.numel():
                 raise ValueError(f"per_sample_weights has {w.numel()} entries, indices {idx.numel()}")
@@ -429,7 +429,7 @@ class EmulatedCudaTable(_Placed):
         if idx.dim() != 1 or off.dim() != 1 or off.numel() < 1:
             raise ValueError("indices must be 1-D and offsets 1-D with B + 1 entries")
         _raise_range(idx, self.shape[0])
-        w = None if per_sample_weights is None else per_sample_weights.detach().to("cpu", torch.float32)
+        w = None if per_sample_weights is None else torch.from_numpy(_as_float_array(per_sample_weights))
         if w is not None and w.numel() != idx.numel():
             raise ValueError(f"per_sample_weights has {w.numel()} entries, indices {idx.numel()}")
         return emulate_lookup(self._table, idx.numpy(), off.numpy(), None if w is None else w.numpy(), mode, dedup)

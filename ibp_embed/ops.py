@@ -129,6 +129,14 @@ def _check_on_cpu(what: str, *tensors: Optional[torch.Tensor]) -> None:
                                f"traced or exported: capture it on the CPU)")
 
 
+def _check_integers(what: str, **tensors: torch.Tensor) -> None:
+    """Ids and offsets of any integer dtype (CompressedTable's own checks, which refuse bool,
+    as a cast of True and False to rows 1 and 0 would hide a mask passed for ids)."""
+    for name, x in tensors.items():
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{what}: {name} must be integers, got {x.dtype}")
+
+
 def _bad_id(idx: torch.Tensor, n_rows: int) -> int:
     bad = idx[(idx < 0) | (idx >= n_rows)]
     return int(bad[0]) if bad.numel() else -1
@@ -151,15 +159,22 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
         raise ValueError(f"{what}: mode must be 0 (sum) or 1 (mean), not {mode}")
     if indices.dim() != 1 or offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{what}: indices must be 1-D and offsets 1-D with B + 1 entries")
-    if indices.is_floating_point() or offsets.is_floating_point():
-        raise TypeError(f"{what}: ids and offsets must be integers, got {indices.dtype} / {offsets.dtype}")
+    _check_integers(what, ids=indices, offsets=offsets)
     _check_on_cpu(what, indices, offsets, per_sample_weights)
     idx = indices.to(torch.int64).contiguous()
     off = offsets.to(torch.int64).contiguous()
+    # libibp's ibp_lookup takes the ids' count from the last offset: checked here, or it
+    # would pool past the ids (or stop short of them)
+    if int(off[0]) != 0 or int(off[-1]) != idx.numel():
+        raise ValueError(f"{what}: offsets must run from 0 to len(ids) = {idx.numel()} without decreasing "
+                         f"(got {int(off[0])} .. {int(off[-1])})")
     w = None
     if per_sample_weights is not None:
+        if per_sample_weights.is_complex() or per_sample_weights.dtype == torch.bool:
+            raise TypeError(f"{what}: per_sample_weights must be real numbers, got {per_sample_weights.dtype}")
         if per_sample_weights.shape != indices.shape:
-            raise ValueError(f"{what}: {per_sample_weights.numel()} weights for {indices.numel()} ids")
+            raise ValueError(f"{what}: per_sample_weights of shape {tuple(per_sample_weights.shape)} for ids of "
+                             f"shape {tuple(indices.shape)}")
         w = per_sample_weights.detach().to(torch.float32).contiguous()
     n_bags = off.numel() - 1
     out = torch.empty((n_bags, d), dtype=torch.float32)
@@ -193,8 +208,7 @@ def gather(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.Tensor,
     n, d = meta[0], meta[1]
     row_bytes = d * dtype.itemsize
     _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes, what)
-    if indices.is_floating_point():
-        raise TypeError(f"{what}: ids must be integers, got {indices.dtype}")
+    _check_integers(what, ids=indices)
     _check_on_cpu(what, indices)
     idx = indices.to(torch.int64).contiguous().reshape(-1)
     out = torch.empty((idx.numel(), row_bytes), dtype=torch.uint8)

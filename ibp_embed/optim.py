@@ -46,16 +46,35 @@ class SparseOptimizer:
             raise ValueError(f"learning rate must be >= 0, not {lr}")
         self.lr = float(lr)
 
+    def state_shapes(self, n_rows: int, dim: int) -> dict[str, tuple]:
+        """The shape of each state tensor for a table of n_rows x dim (float32)."""
+        return {}
+
     def init_state(self, n_rows: int, dim: int) -> dict[str, torch.Tensor]:
         """Fresh optimizer state for a table of n_rows x dim."""
-        return {}
+        return {name: torch.zeros(shape, dtype=torch.float32) for name, shape in self.state_shapes(n_rows, dim).items()}
 
     def params(self) -> dict:
         """Hyper-parameters (for checkpoints, comparisons and make_optimizer)."""
         return {"lr": self.lr}
 
+    def check_state(self, state: dict, n_rows: int, dim: int) -> None:
+        """Raises unless `state` holds state_shapes(n_rows, dim)'s tensors: libibp reads and
+        writes them in place, as contiguous float32 on the CPU of exactly those shapes."""
+        for name, want in self.state_shapes(n_rows, dim).items():
+            x = state.get(name) if isinstance(state, dict) else None
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{self.name} needs its state {name!r} (init_state's), got {type(x).__name__}")
+            if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+                raise TypeError(f"{self.name} state {name!r} must be a contiguous float32 CPU tensor, got "
+                                f"{x.dtype} on {x.device}{'' if x.is_contiguous() else ', not contiguous'}")
+            if tuple(x.shape) != want:
+                raise ValueError(f"{self.name} state {name!r} must be of shape {want} for a table of "
+                                 f"{n_rows} x {dim}, got {tuple(x.shape)}")
+
     def c_struct(self, state: dict[str, torch.Tensor]):
-        """The ibp_sparse_optim libibp applies; state tensors must stay alive meanwhile."""
+        """The ibp_sparse_optim libibp applies (state checked by check_state); state
+        tensors must stay alive meanwhile."""
         o = ffi.new("ibp_sparse_optim *")
         o.kind = self.kind
         o.learning_rate = self.lr
@@ -97,8 +116,8 @@ class Adagrad(SparseOptimizer):
     def params(self) -> dict:
         return {"lr": self.lr, "eps": self.eps}
 
-    def init_state(self, n_rows: int, dim: int) -> dict[str, torch.Tensor]:
-        return {"momentum1": torch.zeros(n_rows, dim, dtype=torch.float32)}
+    def state_shapes(self, n_rows: int, dim: int) -> dict[str, tuple]:
+        return {"momentum1": (n_rows, dim)}
 
     def c_struct(self, state):
         o = super().c_struct(state)
@@ -133,8 +152,8 @@ class RowWiseAdagrad(Adagrad):
             p.update(weight_decay=self.weight_decay, weight_decay_mode=self.weight_decay_mode)
         return p
 
-    def init_state(self, n_rows: int, dim: int) -> dict[str, torch.Tensor]:
-        return {"momentum1": torch.zeros(n_rows, dtype=torch.float32)}
+    def state_shapes(self, n_rows: int, dim: int) -> dict[str, tuple]:
+        return {"momentum1": (n_rows,)}
 
     def c_struct(self, state):
         o = super().c_struct(state)

@@ -28,7 +28,7 @@ from ._native import ffi, lib
 from .codec import _Codebook, compress, split_offsets
 from .dtypes import LOOKUP_DTYPES, as_rows
 from .optim import SparseOptimizer
-from .table import _MODES, CompressedTable, TableReads, _as_index_array, _check_range
+from .table import _MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_range
 
 
 class UpdatableTable(TableReads):
@@ -162,17 +162,25 @@ class UpdatableTable(TableReads):
         grad = grad.detach().to("cpu", torch.float32).contiguous()
         if grad.dim() != 2 or grad.shape[0] != batch:
             raise ValueError(f"grad must be [{batch}, columns], got {tuple(grad.shape)}")
-        cols = np.ascontiguousarray(grad_cols, dtype=np.uint64)
+        cols = _as_index_array(grad_cols, "grad_cols").reshape(-1)
+        if cols.size and int(cols.min()) < 0:
+            raise ValueError(f"grad_cols must be columns of grad, got {int(cols.min())}")
         if cols.size and int(cols.max()) + self._shape[1] > grad.shape[1]:
             raise ValueError(f"grad has {grad.shape[1]} columns; a feature starts at column {int(cols.max())}")
-        idx = np.ascontiguousarray(indices, dtype=np.int64)
-        off = np.ascontiguousarray(offsets, dtype=np.int64)
-        if off.shape != (cols.size * batch + 1,):
-            raise ValueError(f"offsets must have {cols.size} features x {batch} bags + 1 entries, "
-                             f"got {off.size}")
-        w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
+        cols = cols.astype(np.uint64)
+        idx = _as_index_array(indices, "indices")
+        off = _as_index_array(offsets, "offsets")
+        if idx.ndim != 1 or off.shape != (cols.size * batch + 1,):
+            raise ValueError(f"indices must be 1-D and offsets have {cols.size} features x {batch} bags + 1 "
+                             f"entries, got {idx.shape} and {off.shape}")
+        # libibp takes the ids' count from the last offset (and checks that none decreases)
+        if int(off[0]) != 0 or int(off[-1]) != idx.size:
+            raise ValueError(f"offsets must run from 0 to len(indices) = {idx.size} without decreasing "
+                             f"(got {int(off[0])} .. {int(off[-1])})")
+        w = None if weights is None else _as_float_array(weights)
         if w is not None and w.shape != idx.shape:
             raise ValueError(f"{w.size} weights for {idx.size} ids")
+        optimizer.check_state(state, *self._shape)
         opt = optimizer.c_struct(state)
         with self._write_lock:
             _native.check(lib.ibp_store_backward(

@@ -372,9 +372,15 @@ def _as_index_array(x, name: str) -> np.ndarray:
 
 
 def _as_float_array(x) -> np.ndarray:
+    """Weights as float32 (real numbers only: a complex weight's imaginary part would be dropped)."""
     if isinstance(x, torch.Tensor):
+        if x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"per_sample_weights must be real numbers, got {x.dtype}")
         return np.ascontiguousarray(x.detach().resolve_neg().to("cpu", torch.float32).numpy()).reshape(-1)
-    return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).reshape(-1)
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"per_sample_weights must be real numbers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
 
 
 def _id_out_of_range(ids: np.ndarray, n_rows: int, what: str) -> IndexError | None:

@@ -157,6 +157,12 @@ def test_bad_arguments_are_refused_on_every_path():
         ibp_embed.lookup_many(tables, ids.astype(np.float32), offsets)
     with pytest.raises(ValueError, match="table 1: mode"):
         ibp_embed.lookup_many(tables, ids, offsets, mode=["sum", "max"])
+    with pytest.raises(TypeError, match="mode must be 'sum', 'mean' or one of those per table, not None"):
+        ibp_embed.lookup_many(tables, ids, offsets, mode=None)
+    with pytest.raises(ValueError, match="indices must be one 1-D tensor .* not a 2-D Tensor"):
+        ibp_embed.lookup_many(tables[:1], torch.tensor([[1]]), torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="per_sample_weights must be real numbers, got complex"):
+        ibp_embed.lookup_many(tables, ids, offsets, np.ones(ids.size, np.complex64))
 
 
 def test_libibp_refuses_offsets_past_the_ids():

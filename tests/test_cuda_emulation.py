@@ -94,6 +94,12 @@ def test_emulated_lookup_edge_cases(cuda_lib):
             cuda.emulate_lookup(t, [1, 2, 3], [0, 2], dedup=dedup)
     with pytest.raises(IndexError):
         cuda.emulate_gather(t, [0, 50])
+    # the emulated table takes weights as CudaTable does: any sequence of real numbers
+    table = cuda.EmulatedCudaTable(t)
+    ids, off = torch.tensor([1, 2]), torch.tensor([0, 2])
+    assert torch.equal(table.lookup(ids, off, [0.5, 2.0]), table.lookup(ids, off, torch.tensor([0.5, 2.0])))
+    with pytest.raises(TypeError, match="per_sample_weights must be real numbers"):
+        table.lookup(ids, off, torch.ones(2, dtype=torch.complex64))
 
 
 def test_emulated_decode_detects_corrupt_rows(cuda_lib):

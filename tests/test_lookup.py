@@ -186,6 +186,10 @@ def test_lookup_bad_arguments(table):
         table.lookup([0, 1], [0, 2], mode="max")
     with pytest.raises(ValueError):
         table.lookup([[0, 1]], [0, 2])
+    # weights of real numbers only: a complex weight's imaginary part was dropped with a warning
+    for w in (torch.ones(2, dtype=torch.complex64), [1 + 2j, 1.0], np.array([True, False])):
+        with pytest.raises(TypeError, match="per_sample_weights must be real numbers"):
+            table.lookup([0, 1], [0, 2], per_sample_weights=w)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.float64, torch.uint8, torch.bool,

@@ -190,3 +190,44 @@ def test_apply_row_gradients_sums_repeated_ids(base):
         torch.testing.assert_close(t.decompress().float(), want.float(), rtol=0, atol=1e-6)
     assert torch.equal(once.decompress(), twice.decompress())
     once.apply_row_gradients(opt, {}, np.zeros(0, np.int64), torch.zeros(0, w.shape[1]))  # nothing to do
+
+
+def test_bad_gradients_and_optimizer_state_raise(base):
+    """apply_gradients hands its ids, offsets and the optimizer's state to libibp, which
+    takes the ids' count from the last offset and reads and writes the state in place:
+    offsets that end past the ids (a view's hidden ids, or a crash) or short of them,
+    ids, offsets or grad_cols that are not integers (a float id was truncated to a row),
+    and state of another shape, dtype or layout (heap corruption, or float32 bits in a
+    float64 buffer) must raise before anything is written."""
+    from ibp_embed.optim import SGD, Adagrad, RowWiseAdagrad
+
+    u = UpdatableTable(ibp_embed.compress(base[:100, :8], allow_raw=False))
+    before = u.decompress()
+    g = torch.ones(1, 8)
+    cases = [
+        (ValueError, r"offsets must run from 0 to len\(indices\) = 1 ", SGD(0.1), {}, np.array([1, 2, 3, 4])[:1],
+         [0, 4], [0]),
+        (ValueError, r"= 1048576 without decreasing \(got 0 \.\. 4194304\)", SGD(0.1), {},
+         np.zeros(1 << 20, np.int64), [0, 1 << 22], [0]),
+        (ValueError, r"= 3 without decreasing \(got 0 \.\. 1\)", SGD(0.1), {}, np.array([1, 2, 3]), [0, 1], [0]),
+        (TypeError, "indices must be integers, got float64", SGD(0.1), {}, np.array([1.9]), [0, 1], [0]),
+        (TypeError, "offsets must be integers", SGD(0.1), {}, np.array([1]), [0.0, 1.0], [0]),
+        (TypeError, "grad_cols must be integers", SGD(0.1), {}, np.array([1]), [0, 1], [0.9]),
+        (ValueError, "grad_cols must be columns of grad, got -1", SGD(0.1), {}, np.array([1]), [0, 1], [-1]),
+        (ValueError, r"state 'momentum1' must be of shape \(100,\) for a table of 100 x 8, got \(3,\)",
+         RowWiseAdagrad(0.1), {"momentum1": torch.zeros(3)}, np.array([99]), [0, 1], [0]),
+        (ValueError, r"must be of shape \(100, 8\)", Adagrad(0.1), Adagrad(0.1).init_state(1, 1), np.array([5]),
+         [0, 1], [0]),
+        (TypeError, "must be a contiguous float32 CPU tensor, got torch.float64", Adagrad(0.1),
+         {"momentum1": torch.zeros(100, 8, dtype=torch.float64)}, np.array([1]), [0, 1], [0]),
+        (TypeError, "not contiguous", Adagrad(0.1), {"momentum1": torch.zeros(8, 200).t()[:100]}, np.array([1]),
+         [0, 1], [0]),
+        (ValueError, "adagrad needs its state 'momentum1'", Adagrad(0.1), {}, np.array([1]), [0, 1], [0]),
+    ]
+    for error, match, opt, state, ids, off, cols in cases:
+        with pytest.raises(error, match=match):
+            u.apply_gradients(opt, state, ids, np.array(off), 1, g, cols)
+    assert torch.equal(_bits(u.decompress()), _bits(before))  # nothing was written
+    state = Adagrad(0.1).init_state(100, 8)
+    u.apply_gradients(Adagrad(0.1), state, np.array([1, 1, 5]), np.array([0, 3]), 1, g, [0])
+    assert torch.equal(state["momentum1"][1], torch.full((8,), 4.0))  # the bag's gradient 1, twice: 2^2

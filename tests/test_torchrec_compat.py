@@ -77,6 +77,33 @@ def test_operators_match_the_table_and_pass_opcheck():
     assert torch.equal(again.decompress(), t.decompress())
 
 
+def test_operators_refuse_offsets_that_do_not_end_at_the_ids_and_non_integer_ids():
+    """libibp's ibp_lookup takes the ids' count from the last offset, so the operator (the
+    collection's forward, traced or not) checks that the offsets end at len(ids): ending
+    past them pooled memory after the ids (a view's hidden rows, or a crash), short of
+    them left ids out. Bool ids (a mask passed for ids) and complex or bool weights are
+    refused as CompressedTable.lookup refuses them."""
+    t = ibp_embed.compress(torch.randn(100, 8), allow_raw=False)
+    tt = ops.table_tensors(t)
+    args = [tt[k] for k in ops.TABLE_TENSORS] + [tt["meta"], torch.float32]
+    base = torch.tensor([1, 2, 3, 4])
+    for ids, off in ((base[:2], [0, 4]), (torch.tensor([1, 2, 3]), [0, 1]), (torch.tensor([1, 2, 3]), [0]),
+                     (torch.zeros(1 << 20, dtype=torch.int64), [0, 1 << 21]), (torch.tensor([1, 2]), [1, 2])):
+        with pytest.raises(ValueError, match=rf"offsets must run from 0 to len\(ids\) = {len(ids)}"):
+            torch.ops.ibp.pooled_lookup(*args, ids, torch.tensor(off), None, 0, "t")
+    with pytest.raises(TypeError, match="ids must be integers, got torch.bool"):
+        torch.ops.ibp.pooled_lookup(*args, torch.tensor([True, False]), torch.tensor([0, 2]), None, 0, "t")
+    with pytest.raises(TypeError, match="ids must be integers, got torch.bool"):
+        torch.ops.ibp.gather(*args, torch.tensor([True, False]), "t")
+    with pytest.raises(TypeError, match="offsets must be integers"):
+        torch.ops.ibp.pooled_lookup(*args, base, torch.tensor([0.0, 4.0]), None, 0, "t")
+    for w in (torch.ones(4, dtype=torch.complex64), torch.ones(4, dtype=torch.bool)):
+        with pytest.raises(TypeError, match="per_sample_weights must be real numbers"):
+            torch.ops.ibp.pooled_lookup(*args, base, torch.tensor([0, 4]), w, 0, "t")
+    with pytest.raises(ValueError, match=r"per_sample_weights of shape \(1, 4\) for ids of shape \(4,\)"):
+        torch.ops.ibp.pooled_lookup(*args, base, torch.tensor([0, 4]), torch.ones(1, 4), 0, "t")
+
+
 # ---- graph capture ----
 
 def test_fx_compile_export_and_script_on_a_dlrm():
