@@ -6,6 +6,7 @@ through $IBP_LIBRARY or next to the package in a source checkout.
 """
 from __future__ import annotations
 
+import operator
 import os
 import re
 from pathlib import Path
@@ -67,6 +68,8 @@ def _load(path: Path):
             f"this package needs ABI {ABI_VERSION} / format {FORMAT_VERSION}: run `make` to rebuild it")
     threads = os.environ.get("IBP_NUM_THREADS")
     if threads:
+        if not threads.strip().isdigit() or int(threads) < 1:
+            raise ValueError(f"IBP_NUM_THREADS must be a positive integer, got {threads!r}")
         lib.ibp_set_num_threads(int(threads))
     else:
         import torch
@@ -128,4 +131,7 @@ def ptr(array, ctype: str):
 
 
 def set_num_threads(n: int) -> None:
-    lib.ibp_set_num_threads(int(n))
+    """libibp's threads: n >= 1 (more than IBP_MAX_THREADS, 1024, run as that many)."""
+    if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 1:
+        raise ValueError(f"threads must be a positive integer, got {n!r}")
+    lib.ibp_set_num_threads(min(operator.index(n), lib.IBP_MAX_THREADS))
