@@ -68,9 +68,9 @@ def _load(path: Path):
             f"this package needs ABI {ABI_VERSION} / format {FORMAT_VERSION}: run `make` to rebuild it")
     threads = os.environ.get("IBP_NUM_THREADS")
     if threads:
-        if not threads.strip().isdigit() or int(threads) < 1:
+        if not threads.strip().isdecimal() or int(threads) < 1:
             raise ValueError(f"IBP_NUM_THREADS must be a positive integer, got {threads!r}")
-        lib.ibp_set_num_threads(int(threads))
+        lib.ibp_set_num_threads(min(int(threads), lib.IBP_MAX_THREADS))
     else:
         import torch
 

@@ -126,10 +126,13 @@ def lookup_many(tables, indices, offsets, per_sample_weights=None, mode="sum") -
     if not isinstance(mode, str) and not hasattr(mode, "__iter__"):
         raise TypeError(f"mode must be 'sum', 'mean' or one of those per table, not {mode!r}")
     modes = [mode] * n if isinstance(mode, str) else list(mode)
-    if isinstance(indices, (torch.Tensor, np.ndarray)) and indices.ndim != 1:
-        raise ValueError(f"indices must be one 1-D tensor of every table's ids (the TBE layout) or one per "
-                         f"table, not a {indices.ndim}-D {type(indices).__name__}")
-    if isinstance(indices, (torch.Tensor, np.ndarray)) and indices.dtype != object:
+    arrays = (torch.Tensor, np.ndarray)
+    if isinstance(indices, arrays) and (indices.ndim not in (1, 2) or indices.ndim == 2 and
+                                        isinstance(offsets, arrays) and offsets.ndim != 2):
+        raise ValueError(f"indices must be one 1-D tensor of every table's ids (the TBE layout), or one per "
+                         f"table (a row each of a 2-D tensor, with offsets a row each), not a "
+                         f"{indices.ndim}-D {type(indices).__name__} with {np.ndim(offsets)}-D offsets")
+    if isinstance(indices, arrays) and indices.ndim == 1 and indices.dtype != object:
         vals, off, w, b = _tbe_layout(n, indices, offsets, per_sample_weights)
         packed = _jobs_for(tables, modes) if len(modes) == n else None
         if packed is not None:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .dtypes import LOOKUP_DTYPES
+from .table import _as_float_array, check_real_weights
 
 POLICIES = ("lru", "lfu")
 _MODES = ("sum", "mean")
@@ -156,7 +157,8 @@ class RowCache:
         w = None
         if per_sample_weights is not None:
             w = per_sample_weights if isinstance(per_sample_weights, torch.Tensor) else \
-                torch.as_tensor(np.asarray(per_sample_weights, dtype=np.float32))
+                torch.from_numpy(_as_float_array(per_sample_weights))
+            check_real_weights(w)
             w = w.to(self.device, torch.float32).reshape(-1)
             if w.numel() != idx.numel():
                 raise ValueError(f"per_sample_weights has {w.numel()} entries, indices {idx.numel()}")

@@ -35,7 +35,7 @@ import torch
 from . import _native
 from .dtypes import LOOKUP_DTYPES
 from .errors import FormatError, NativeLibraryError
-from .table import CompressedTable, _as_float_array
+from .table import CompressedTable, _as_float_array, check_real_weights
 
 _ROOT = Path(__file__).resolve().parent.parent
 _HEADER = _ROOT / "native" / "cuda" / "ibp_cuda.h"
@@ -344,8 +344,10 @@ class CudaTable(_Placed):
         w = None
         if per_sample_weights is not None:
             w = per_sample_weights
-            if not isinstance(w, torch.Tensor) or w.is_complex() or w.dtype == torch.bool:
-                w = torch.from_numpy(_as_float_array(w))  # real numbers only (its TypeError)
+            if isinstance(w, torch.Tensor):
+                check_real_weights(w)
+            else:
+                w = torch.from_numpy(_as_float_array(w))
             w = w.to(self._device, torch.float32).contiguous().reshape(-1)
             if w.numel() != idx.numel():
                 raise ValueError(f"per_sample_weights has {w.numel()} entries, indices {idx.numel()}")

@@ -26,7 +26,7 @@ import torch
 from . import _native
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES
-from .table import CompressedTable
+from .table import CompressedTable, check_real_weights
 
 TABLE_TENSORS = ("masks", "bitvals", "block_base", "rel", "payload")
 # numpy dtype of each table array -> the signed dtype of the same width the tensors use
@@ -164,14 +164,15 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
     idx = indices.to(torch.int64).contiguous()
     off = offsets.to(torch.int64).contiguous()
     # libibp's ibp_lookup takes the ids' count from the last offset: checked here, or it
-    # would pool past the ids (or stop short of them)
-    if int(off[0]) != 0 or int(off[-1]) != idx.numel():
+    # would pool past the ids (or stop short of them); read through NumPy: 1.1 us, not 2.5
+    off_np = off.numpy()
+    first, last = int(off_np[0]), int(off_np[-1])
+    if first != 0 or last != idx.numel():
         raise ValueError(f"{what}: offsets must run from 0 to len(ids) = {idx.numel()} without decreasing "
-                         f"(got {int(off[0])} .. {int(off[-1])})")
+                         f"(got {first} .. {last})")
     w = None
     if per_sample_weights is not None:
-        if per_sample_weights.is_complex() or per_sample_weights.dtype == torch.bool:
-            raise TypeError(f"{what}: per_sample_weights must be real numbers, got {per_sample_weights.dtype}")
+        check_real_weights(per_sample_weights, what)
         if per_sample_weights.shape != indices.shape:
             raise ValueError(f"{what}: per_sample_weights of shape {tuple(per_sample_weights.shape)} for ids of "
                              f"shape {tuple(indices.shape)}")

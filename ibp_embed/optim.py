@@ -28,6 +28,8 @@ be checkpointed with the table.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ._native import ffi, lib
@@ -61,8 +63,11 @@ class SparseOptimizer:
     def check_state(self, state: dict, n_rows: int, dim: int) -> None:
         """Raises unless `state` holds state_shapes(n_rows, dim)'s tensors: libibp reads and
         writes them in place, as contiguous float32 on the CPU of exactly those shapes."""
-        for name, want in self.state_shapes(n_rows, dim).items():
-            x = state.get(name) if isinstance(state, dict) else None
+        shapes = self.state_shapes(n_rows, dim)
+        if shapes and not isinstance(state, Mapping):
+            raise TypeError(f"{self.name} state must be a mapping of init_state's tensors, got {type(state).__name__}")
+        for name, want in shapes.items():
+            x = state.get(name)
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"{self.name} needs its state {name!r} (init_state's), got {type(x).__name__}")
             if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():

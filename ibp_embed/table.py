@@ -371,11 +371,17 @@ def _as_index_array(x, name: str) -> np.ndarray:
     return np.asarray(a, dtype=np.int64, order="C")  # ascontiguousarray would make 0-d 1-d
 
 
+def check_real_weights(w: torch.Tensor, who: str = "") -> None:
+    """Weights must be real numbers: a complex weight's imaginary part would be dropped by
+    the cast to float32 (with a warning only), a bool one taken as 0 or 1."""
+    if w.is_complex() or w.dtype == torch.bool:
+        raise TypeError(f"{who}{': ' if who else ''}per_sample_weights must be real numbers, got {w.dtype}")
+
+
 def _as_float_array(x) -> np.ndarray:
-    """Weights as float32 (real numbers only: a complex weight's imaginary part would be dropped)."""
+    """Weights as float32 (real numbers only, see check_real_weights)."""
     if isinstance(x, torch.Tensor):
-        if x.is_complex() or x.dtype == torch.bool:
-            raise TypeError(f"per_sample_weights must be real numbers, got {x.dtype}")
+        check_real_weights(x)
         return np.ascontiguousarray(x.detach().resolve_neg().to("cpu", torch.float32).numpy()).reshape(-1)
     a = np.asarray(x)
     if a.dtype.kind not in "fiu":

@@ -61,7 +61,11 @@ uint64_t ibp_l2_bytes(void) { return g_l2_bytes; }
 int ibp_cpu_amd(void) { return g_amd; }
 
 void ibp_set_num_threads(int n) { g_threads = n <= 0 ? 0 : n > IBP_MAX_THREADS ? IBP_MAX_THREADS : n; }
-int ibp_threads(void) { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
+int ibp_threads(void)
+{
+    const int n = g_threads > 0 ? g_threads : omp_get_max_threads(); /* OMP_NUM_THREADS is not capped */
+    return n > IBP_MAX_THREADS ? IBP_MAX_THREADS : n;
+}
 int ibp_get_num_threads(void) { return ibp_threads(); }
 
 /* Whether pext and pdep are microcoded: AMD family 17h (Zen, Zen+, Zen 2) and its

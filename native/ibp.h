@@ -82,8 +82,9 @@ int ibp_abi_version(void);
 int ibp_format_version(void);
 const char *ibp_error_string(int code);
 
-/* Threads used by the parallel loops (default, n <= 0: all cores OpenMP sees), at most
- * IBP_MAX_THREADS: 100,000 crashed the process (OpenMP's team could not be had). */
+/* Threads used by the parallel loops (default, n <= 0: OpenMP's count), at most
+ * IBP_MAX_THREADS, whichever way they were asked for: 100,000 crashed the process
+ * (OpenMP's team could not be had). */
 #define IBP_MAX_THREADS 1024
 void ibp_set_num_threads(int n);
 int ibp_get_num_threads(void);

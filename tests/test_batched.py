@@ -159,8 +159,11 @@ def test_bad_arguments_are_refused_on_every_path():
         ibp_embed.lookup_many(tables, ids, offsets, mode=["sum", "max"])
     with pytest.raises(TypeError, match="mode must be 'sum', 'mean' or one of those per table, not None"):
         ibp_embed.lookup_many(tables, ids, offsets, mode=None)
-    with pytest.raises(ValueError, match="indices must be one 1-D tensor .* not a 2-D Tensor"):
+    with pytest.raises(ValueError, match="indices must be one 1-D tensor .* not a 2-D Tensor with 1-D offsets"):
         ibp_embed.lookup_many(tables[:1], torch.tensor([[1]]), torch.tensor([0, 1]))
+    rows = torch.tensor([[1, 2], [3, 0]])  # a row of ids and a row of offsets a table: taken as lists
+    assert torch.equal(ibp_embed.lookup_many(tables, rows, torch.tensor([[0, 2], [0, 2]])).view(torch.int32),
+                       ibp_embed.lookup_many(tables, list(rows), [torch.tensor([0, 2])] * 2).view(torch.int32))
     with pytest.raises(TypeError, match="per_sample_weights must be real numbers, got complex"):
         ibp_embed.lookup_many(tables, ids, offsets, np.ones(ids.size, np.complex64))
 

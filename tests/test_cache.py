@@ -264,6 +264,9 @@ def test_errors(table):
         cache.lookup([0, 1], [0, 2], [1.0])
     with pytest.raises(TypeError):
         cache.lookup([0.5], [0, 1])
+    for w in (torch.ones(2, dtype=torch.complex64), [1j, 1.0]):  # an imaginary part would be dropped
+        with pytest.raises(TypeError, match="per_sample_weights must be real numbers"):
+            cache.lookup([0, 1], [0, 2], w)
     with pytest.raises(ValueError, match="policy"):
         RowCache(table, policy="fifo")
     with pytest.raises(ValueError):

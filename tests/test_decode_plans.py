@@ -363,7 +363,7 @@ def test_two_extras_at_w16_past_the_windows_first_register():
     around it: one float a row in 20,000 of a trained-like fp32 d128 table came back
     with its sign bit wrong. Values in [1, 2) with the mantissa's last bit clear (9
     invariant bits in the high half, 1 in the low); in a third of the rows, one word of
-    the first step has that bit set (7 bits more: the later steps start at an odd bit)
+    the first step has that bit set (1 bit more: the later steps start at an odd bit)
     and a later step's words all move (another exponent, the bit set). Every
     instruction set must decode the rows bit for bit, in order and scattered."""
     g = torch.Generator().manual_seed(91)

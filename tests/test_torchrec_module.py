@@ -389,6 +389,8 @@ def test_weights_and_weightedness(small):
     w = IBPEmbeddingBagCollection(tables, is_weighted=True)
     with pytest.raises(ValueError, match="no weights"):
         w(kjt_of(["a", "b"], [1, 2], [1, 1]))
+    with pytest.raises(TypeError, match="per_sample_weights must be real numbers, got torch.complex64"):
+        w(kjt_of(["a", "b"], [1, 2], [1, 1], weights=torch.ones(2, dtype=torch.complex64)))
 
 
 def test_bad_ids_dtype(small):

@@ -28,7 +28,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .. import cuda
 from ..cache import POLICIES, RowCache
-from ..table import CompressedTable
+from ..table import CompressedTable, check_real_weights
 
 __all__ = ["DeviceTable", "check_device", "device_pooled_lookup", "reduce_row_gradients"]
 
@@ -140,6 +140,7 @@ def device_pooled_lookup(kjt: KeyedJaggedTensor, slots: Sequence, weighted: bool
                          f"{n_keys} keys x batch {b} + 1 = {n_keys * b + 1}")
     weights = kjt.weights_or_none()
     if weights is not None:
+        check_real_weights(weights, who)
         weights = weights.to(storage, torch.float32)
         if weights.numel() != values.numel():
             raise ValueError(f"{who}: {weights.numel()} weights for {values.numel()} ids")

@@ -16,7 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..codec import compress
 from ..packed_jobs import PackedJobs
 from ..batched import _lookup_many_checked
-from ..table import CompressedTable, _id_out_of_range
+from ..table import CompressedTable, _id_out_of_range, check_real_weights
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
 CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress", "allow_raw")
@@ -125,6 +125,7 @@ def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
     if weights is not None:
         if weights.numel() != n_values:
             raise ValueError(f"{who}: {weights.numel()} weights for {n_values} ids")
+        check_real_weights(weights, who)
         w = np.ascontiguousarray(weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
     return vals, off_np, w, b
 
