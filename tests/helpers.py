@@ -202,3 +202,9 @@ def table_sections(t: CompressedTable) -> tuple[dict, dict]:
             "block_base": t._block_base.tobytes(), "rel": t._rel.tobytes(),
             "payload": np.asarray(t._payload).tobytes()}
     return header, secs
+
+
+def lane_extras(t) -> list[list[int]]:
+    """Each step's lanes' extras (W - vbits, cluster 0) of a W = 16 table t."""
+    extras = [bin(int(m)).count("1") for m in np.asarray(t.masks)[0]]  # a mask's bits: the invariant ones
+    return [sorted(set(extras[s: s + 32]) - {0}) for s in range(0, len(extras), 32)]
