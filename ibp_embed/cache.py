@@ -156,9 +156,11 @@ class RowCache:
         self._check_range(idx)
         w = None
         if per_sample_weights is not None:
-            w = per_sample_weights if isinstance(per_sample_weights, torch.Tensor) else \
-                torch.from_numpy(_as_float_array(per_sample_weights))
-            check_real_weights(w)
+            w = per_sample_weights
+            if isinstance(w, torch.Tensor):
+                check_real_weights(w)
+            else:
+                w = torch.from_numpy(_as_float_array(w))
             w = w.to(self.device, torch.float32).reshape(-1)
             if w.numel() != idx.numel():
                 raise ValueError(f"per_sample_weights has {w.numel()} entries, indices {idx.numel()}")

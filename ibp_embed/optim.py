@@ -60,7 +60,7 @@ class SparseOptimizer:
         """Hyper-parameters (for checkpoints, comparisons and make_optimizer)."""
         return {"lr": self.lr}
 
-    def check_state(self, state: dict, n_rows: int, dim: int) -> None:
+    def check_state(self, state: Mapping, n_rows: int, dim: int) -> None:
         """Raises unless `state` holds state_shapes(n_rows, dim)'s tensors: libibp reads and
         writes them in place, as contiguous float32 on the CPU of exactly those shapes."""
         shapes = self.state_shapes(n_rows, dim)

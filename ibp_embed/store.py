@@ -28,7 +28,8 @@ from ._native import ffi, lib
 from .codec import _Codebook, compress, split_offsets
 from .dtypes import LOOKUP_DTYPES, as_rows
 from .optim import SparseOptimizer
-from .table import _MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_range
+from .table import (_MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_range,
+                    check_offset_ends)
 
 
 class UpdatableTable(TableReads):
@@ -173,10 +174,7 @@ class UpdatableTable(TableReads):
         if idx.ndim != 1 or off.shape != (cols.size * batch + 1,):
             raise ValueError(f"indices must be 1-D and offsets have {cols.size} features x {batch} bags + 1 "
                              f"entries, got {idx.shape} and {off.shape}")
-        # libibp takes the ids' count from the last offset (and checks that none decreases)
-        if int(off[0]) != 0 or int(off[-1]) != idx.size:
-            raise ValueError(f"offsets must run from 0 to len(indices) = {idx.size} without decreasing "
-                             f"(got {int(off[0])} .. {int(off[-1])})")
+        check_offset_ends(off, idx.size)
         w = None if weights is None else _as_float_array(weights)
         if w is not None and w.shape != idx.shape:
             raise ValueError(f"{w.size} weights for {idx.size} ids")

@@ -101,9 +101,7 @@ class TableReads:
         off = _as_index_array(offsets, "offsets")
         if off.ndim != 1 or off.size < 1:
             raise ValueError("offsets must be 1-D with B + 1 entries")
-        if off[0] != 0 or off[-1] != idx.size:
-            raise ValueError(f"offsets must start at 0 and end at len(indices) = {idx.size}, "
-                             f"got {int(off[0])} .. {int(off[-1])}")
+        check_offset_ends(off, idx.size)
         # libibp checks the offsets' order and the ids' range before it reads any row:
         # checked here first as well, they cost 1-4% of a large batch
         w = None
@@ -354,12 +352,26 @@ def _ndim(x) -> int:
     return x.dim() if isinstance(x, torch.Tensor) else np.ndim(x)
 
 
+def check_integers(x: torch.Tensor, name: str) -> None:
+    """Ids and offsets must be integers: a float is not truncated to a row, and bool (a
+    mask passed for ids) is not taken as rows 0 and 1."""
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be integers, got {x.dtype}")
+
+
+def check_offset_ends(off: np.ndarray, n_ids: int, name: str = "indices", who: str = "") -> None:
+    """libibp takes the ids' count of a lookup (or backward) from its last offset, and
+    checks only that none decreases: the first must be 0 and the last len(ids)."""
+    if off[0] != 0 or off[-1] != n_ids:
+        raise ValueError(f"{who}{': ' if who else ''}offsets must start at 0 and end at len({name}) = {n_ids}, "
+                         f"got {int(off[0])} .. {int(off[-1])}")
+
+
 def _as_index_array(x, name: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if x.dtype == torch.int64 and x.device.type == "cpu" and not x.is_neg():  # 1.6 us, not 2.4
             return np.asarray(x.numpy(), order="C")
-        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise TypeError(f"{name} must be integers, got {x.dtype}")
+        check_integers(x, name)
         return np.asarray(x.detach().resolve_neg().to("cpu", torch.int64).numpy(), order="C")  # keeps 0-d
     a = np.asarray(x)
     if a.dtype == object and a.size and all(isinstance(v, int) for v in a.reshape(-1)):

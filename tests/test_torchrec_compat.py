@@ -89,7 +89,7 @@ def test_operators_refuse_offsets_that_do_not_end_at_the_ids_and_non_integer_ids
     base = torch.tensor([1, 2, 3, 4])
     for ids, off in ((base[:2], [0, 4]), (torch.tensor([1, 2, 3]), [0, 1]), (torch.tensor([1, 2, 3]), [0]),
                      (torch.zeros(1 << 20, dtype=torch.int64), [0, 1 << 21]), (torch.tensor([1, 2]), [1, 2])):
-        with pytest.raises(ValueError, match=rf"offsets must run from 0 to len\(ids\) = {len(ids)}"):
+        with pytest.raises(ValueError, match=rf"t: offsets must start at 0 and end at len\(ids\) = {len(ids)},"):
             torch.ops.ibp.pooled_lookup(*args, ids, torch.tensor(off), None, 0, "t")
     with pytest.raises(TypeError, match="ids must be integers, got torch.bool"):
         torch.ops.ibp.pooled_lookup(*args, torch.tensor([True, False]), torch.tensor([0, 2]), None, 0, "t")
