@@ -20,7 +20,8 @@ import torch
 
 from ._native import lib
 from .packed_jobs import PackedJobs, array_address
-from .table import _MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_lookup_rc, _ndim
+from .table import (_MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_lookup_rc,
+                    _ndim, check_integers, check_real_weights)
 
 # the jobs of the last _CACHED sets of (tables, modes) built: a program usually calls with one
 _CACHED = 8
@@ -184,6 +185,27 @@ def _tbe_layout(n: int, indices, offsets, per_sample_weights):
             raise ValueError(f"per_sample_weights must be 1-D like indices {vals.shape}, got shape "
                              f"{tuple(np.shape(per_sample_weights))}")
     return vals, off, w, (off.size - 1) // n if n else 0
+
+
+def keyed_layout(values, offsets, weights, who: str):
+    """A batch laid out as a KeyedJaggedTensor's (values, offsets [keys x B + 1],
+    weights or None), checked: (values int64, offsets int64 from 0 to len(values) without
+    decreasing, weights float32 or None), contiguous NumPy arrays on the host."""
+    check_integers(values, f"{who}: ids")
+    check_integers(offsets, f"{who}: offsets")
+    n_values = values.numel()
+    off = np.ascontiguousarray(offsets.detach().reshape(-1).to("cpu", torch.int64).numpy())
+    if off.size < 1 or off[0] != 0 or off[-1] != n_values or np.any(np.diff(off) < 0):
+        raise ValueError(f"{who}: offsets must run from 0 to len(values) = {n_values} without decreasing (got "
+                         f"{int(off[0]) if off.size else None} .. {int(off[-1]) if off.size else None})")
+    vals = np.ascontiguousarray(values.detach().reshape(-1).to("cpu", torch.int64).numpy())
+    w = None
+    if weights is not None:
+        if weights.numel() != n_values:
+            raise ValueError(f"{who}: {weights.numel()} weights for {n_values} ids")
+        check_real_weights(weights, who)
+        w = np.ascontiguousarray(weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
+    return vals, off, w
 
 
 def _split_tbe_layout(n: int, vals, off, w, b: int):

@@ -1,8 +1,11 @@
 """libibp's lookups as PyTorch operators: ``torch.ops.ibp.pooled_lookup`` and ``torch.ops.ibp.gather``.
 
 As FBGEMM exposes its kernels as ``torch.ops.fbgemm.*``, these are registered with
-``torch.library`` (a CPU kernel and a fake kernel for shape propagation), so fx,
-``torch.compile(fullgraph=True)`` and ``torch.export`` see a lookup as one node. A
+``torch.library`` (a schema, a CPU kernel, a fake kernel for shape propagation and, for
+pooled_lookup, the gradient of per_sample_weights), so fx, ``torch.compile(fullgraph=True)``,
+``torch.export`` and ``torch.jit.script`` see a lookup as one node. They are defined
+through ``torch.library.Library`` rather than ``torch.library.custom_op``, whose
+Python wrappers cost about 20 us a call (one call a feature in a traced model). A
 compressed table enters them as plain tensors (``table_tensors``): masks and bitvals
 ([K, M]), block_base, rel and payload, plus ``meta`` = [rows, dim, word_bits,
 payload_bytes]. The tensors hold the table's bytes as signed integers (int64 for the
@@ -17,6 +20,7 @@ IndexError / ValueError naming ``what`` (the feature and table).
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import List, Optional
 
@@ -26,12 +30,15 @@ import torch
 from . import _native
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES
+from .batched import keyed_layout
+from .packed_jobs import PackedJobs
 from .table import CompressedTable, check_integers, check_offset_ends, check_real_weights
 
 TABLE_TENSORS = ("masks", "bitvals", "block_base", "rel", "payload")
 # numpy dtype of each table array -> the signed dtype of the same width the tensors use
 _SIGNED = {np.dtype(np.uint64): np.int64, np.dtype(np.uint32): np.int32, np.dtype(np.uint16): np.int16,
            np.dtype(np.uint8): np.uint8}
+_DTYPE_OF_CODE = {code: dtype for dtype, code in LOOKUP_DTYPES.items()}  # pooled_lookup_many's dtypes
 _UNSIGNED = {torch.int64: np.uint64, torch.int32: np.uint32, torch.int16: np.uint16, torch.uint8: np.uint8}
 
 
@@ -65,38 +72,51 @@ def table_from_tensors(tensors: dict, meta: List[int], dtype: torch.dtype) -> Co
                            payload=arrays["payload"], payload_bytes=payload_bytes, validate=True)
 
 
-# ibp_table structs are rebuilt only when a table's tensors change: a cache keyed on
-# everything the struct holds (pointers and sizes), so a hit is exactly a rebuild, as
-# the tensors are never written in place (their vbits and fixed_len are read from them).
-_STRUCTS: "OrderedDict[tuple, object]" = OrderedDict()
-_STRUCTS_MAX = 4096
+# The CompressedTable over each set of table tensors, built (and the tensors checked
+# against meta) on first use. Its arrays are views of the tensors' memory that hold no
+# reference to them, so that the cache never keeps a dropped model's tables alive: an
+# entry goes when one of its tensors dies, and serves only the same tensor objects,
+# unchanged since (their version counters: an in-place copy_ bumps them; the struct
+# holds vbits and fixed_len read from the masks). Writes through a NumPy view of the
+# tensors bypass the counters: the tensors are never written so.
+_TABLES: "OrderedDict[tuple, tuple]" = OrderedDict()
+_TABLES_MAX = 4096
 
 
-def _c_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int):
+def _unowned(t: torch.Tensor) -> np.ndarray:
+    """t's memory (contiguous, on the CPU) as a NumPy array of its unsigned dtype that
+    holds no reference to t."""
+    dtype = np.dtype(_UNSIGNED[t.dtype])
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), dtype)
+    buf = ffi.buffer(ffi.cast("char *", t.data_ptr()), t.numel() * dtype.itemsize)
+    return np.frombuffer(buf, dtype).reshape(tuple(t.shape))
+
+
+def _table_of(masks, bitvals, block_base, rel, payload, meta, dtype: torch.dtype, what: str) -> CompressedTable:
+    """The CompressedTable over these tensors (cached, see above)."""
+    tensors = (masks, bitvals, block_base, rel, payload)
+    key = (*map(id, tensors), *meta, dtype)
+    entry = _TABLES.get(key)
+    if entry is not None and all(r() is t and t._version == v for r, t, v in zip(entry[1], tensors, entry[2])):
+        _TABLES.move_to_end(key)
+        return entry[0]
+    _check_table(masks, bitvals, block_base, rel, payload, meta, meta[1] * dtype.itemsize, what)
     n, d, w, payload_bytes = meta
-    key = (masks.data_ptr(), bitvals.data_ptr(), block_base.data_ptr(), rel.data_ptr(), payload.data_ptr(),
-           tuple(masks.shape), rel.element_size(), payload.numel(), n, row_bytes, w, payload_bytes)
-    c = _STRUCTS.get(key)
-    if c is not None:
-        _STRUCTS.move_to_end(key)
-        return c
-    k, m = masks.shape
-    vbits = (w - np.bitwise_count(masks.numpy().view(np.uint64))).astype(np.uint8)
-    c = ffi.new("ibp_table *")
-    c.cb.row_bytes, c.cb.word_bits, c.cb.n_words, c.cb.n_clusters = row_bytes, w, m, k
-    c.cb.masks = ffi.cast("const uint64_t *", masks.data_ptr())
-    c.cb.bitvals = ffi.cast("const uint64_t *", bitvals.data_ptr())
-    c.cb.vbits = _native.ptr(vbits, "const uint8_t *")
-    c.n_rows, c.rel_bytes = n, rel.element_size()
-    c.block_base = ffi.cast("const uint64_t *", block_base.data_ptr())  # NULL-like when raw: unread
-    c.rel = ffi.cast("const void *", rel.data_ptr())
-    c.payload = ffi.cast("const uint8_t *", payload.data_ptr())
-    c.payload_bytes = payload_bytes
-    c.fixed_len = lib.ibp_fixed_row_bytes(c)  # rows all one length: read with no index
-    _STRUCTS[key] = (c, vbits)  # vbits must live as long as the struct
-    if len(_STRUCTS) > _STRUCTS_MAX:
-        _STRUCTS.popitem(last=False)
-    return _STRUCTS[key]
+    table = CompressedTable(shape=(n, d), dtype=dtype, word_bits=w, masks=_unowned(masks),
+                            bitvals=_unowned(bitvals), block_base=_unowned(block_base), rel=_unowned(rel),
+                            payload=_unowned(payload), payload_bytes=payload_bytes, validate=False)
+    token = object()
+
+    def forget(_):  # one of the tensors died: its table goes (unless replaced meanwhile)
+        got = _TABLES.get(key)
+        if got is not None and got[3] is token:
+            _TABLES.pop(key, None)
+
+    _TABLES[key] = (table, tuple(weakref.ref(t, forget) for t in tensors), tuple(t._version for t in tensors), token)
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return table
 
 
 def _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int, what: str) -> None:
@@ -134,7 +154,17 @@ def _bad_id(idx: torch.Tensor, n_rows: int) -> int:
     return int(bad[0]) if bad.numel() else -1
 
 
-@torch.library.custom_op("ibp::pooled_lookup", mutates_args=())
+_LIB = torch.library.Library("ibp", "DEF")
+_LIB.define("pooled_lookup(Tensor masks, Tensor bitvals, Tensor block_base, Tensor rel, Tensor payload, "
+            "int[] meta, ScalarType dtype, Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
+            "int mode, str what) -> Tensor")
+_LIB.define("pooled_lookup_many(Tensor[] masks, Tensor[] bitvals, Tensor[] block_base, Tensor[] rel, "
+            "Tensor[] payload, int[] metas, int[] dtypes, Tensor values, Tensor offsets, "
+            "Tensor? per_sample_weights, int batch_size, int[] key_index, int[] modes, str[] what) -> Tensor")
+_LIB.define("gather(Tensor masks, Tensor bitvals, Tensor block_base, Tensor rel, Tensor payload, int[] meta, "
+            "ScalarType dtype, Tensor indices, str what) -> Tensor")
+
+
 def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.Tensor, rel: torch.Tensor,
                   payload: torch.Tensor, meta: List[int], dtype: torch.dtype, indices: torch.Tensor,
                   offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], mode: int,
@@ -142,11 +172,10 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
     """[B, dim] float32: bag b pools rows indices[offsets[b]:offsets[b + 1]] (scaled by
     per_sample_weights when given); mode 0 = SUM, 1 = MEAN (an empty bag gives zeros).
     libibp deduplicates the ids itself where that pays."""
-    n, d = meta[0], meta[1]
     if dtype not in LOOKUP_DTYPES:
         raise TypeError(f"{what}: pooled lookups need a float32, float16 or bfloat16 table, not {dtype}")
-    row_bytes = d * dtype.itemsize
-    _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes, what)
+    table = _table_of(masks, bitvals, block_base, rel, payload, meta, dtype, what)
+    n, d = table.shape
     if mode not in (0, 1):
         raise ValueError(f"{what}: mode must be 0 (sum) or 1 (mean), not {mode}")
     if indices.dim() != 1 or offsets.dim() != 1 or offsets.numel() < 1:
@@ -165,11 +194,10 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
                              f"shape {tuple(indices.shape)}")
         w = per_sample_weights.detach().to(torch.float32).contiguous()
     n_bags = off.numel() - 1
-    out = torch.empty((n_bags, d), dtype=torch.float32)
+    out = torch.empty((n_bags, d), dtype=torch.float32, device="cpu")
     if n_bags == 0:
         return out
-    c, _ = _c_table(masks, bitvals, block_base, rel, payload, meta, row_bytes)
-    rc = lib.ibp_lookup(c, LOOKUP_DTYPES[dtype], d, ffi.cast("const int64_t *", idx.data_ptr()) if idx.numel()
+    rc = lib.ibp_lookup(table._c, LOOKUP_DTYPES[dtype], d, ffi.cast("const int64_t *", idx.data_ptr()) if idx.numel()
                         else ffi.NULL, ffi.cast("const int64_t *", off.data_ptr()), n_bags,
                         ffi.NULL if w is None else ffi.cast("const float *", w.data_ptr()), mode,
                         ffi.cast("float *", out.data_ptr()))
@@ -181,27 +209,198 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
     return out
 
 
-@pooled_lookup.register_fake
+_LIB.impl("pooled_lookup", pooled_lookup, "CPU")
+
+
+@torch.library.register_fake("ibp::pooled_lookup")
 def _pooled_lookup_fake(masks, bitvals, block_base, rel, payload, meta, dtype, indices, offsets,
                         per_sample_weights, mode, what):
     return offsets.new_empty((offsets.shape[0] - 1, meta[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("ibp::gather", mutates_args=())
+class _PooledLookupWithWeightsGrad(torch.autograd.Function):
+    """pooled_lookup whose per_sample_weights require grad: d out[b] / d w[i] is the row
+    of ids[i] for the ids i of bag b (divided by the bag's length for MEAN), as FBGEMM's
+    TBE gives per_sample_weights a gradient. The table itself is frozen here (trainable
+    tables run eagerly and update in their own backward)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        masks, bitvals, block_base, rel, payload, meta, dtype, indices, offsets, weights, mode, what = inputs
+        ctx.save_for_backward(masks, bitvals, block_base, rel, payload, indices, offsets)
+        ctx.table, ctx.mode, ctx.what, ctx.weights_dtype = (meta, dtype), mode, what, weights.dtype
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.ibp.pooled_lookup.default(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        masks, bitvals, block_base, rel, payload, indices, offsets = ctx.saved_tensors
+        rows = torch.ops.ibp.gather(masks, bitvals, block_base, rel, payload, *ctx.table, indices, ctx.what)
+        grad_weights = _weights_grad(rows, grad, offsets.to(torch.int64), ctx.mode)
+        return (None,) * 9 + (grad_weights.to(ctx.weights_dtype), None, None)
+
+
+def _weights_grad(rows: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, mode: int) -> torch.Tensor:
+    """float32 d loss / d w[i] of the ids of one table's bags (bag offsets from 0, rows
+    their decoded rows, grad the bags' output gradient [B, dim]): grad[bag(i)] . rows[i],
+    divided by the bag's length for MEAN."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    g = grad[bag_of_id]
+    if mode == 1:
+        g = g / lengths[bag_of_id].unsqueeze(1)  # ids only sit in bags of length >= 1
+    return (g * rows.to(torch.float32)).sum(1)
+
+
+def _pooled_lookup_autograd(*inputs):
+    """The Autograd kernel: a graph node only where the weights need a gradient. (A
+    kernel of our own: torch.library.register_autograd's Python wrappers cost ~15 us a
+    call, as much as a small lookup.)"""
+    weights = inputs[9]
+    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+        return _PooledLookupWithWeightsGrad.apply(*inputs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.ibp.pooled_lookup.default(*inputs)
+
+
+_LIB.impl("pooled_lookup", _pooled_lookup_autograd, "Autograd")
+
+
+def pooled_lookup_many(masks: List[torch.Tensor], bitvals: List[torch.Tensor], block_base: List[torch.Tensor],
+                       rel: List[torch.Tensor], payload: List[torch.Tensor], metas: List[int],
+                       dtypes: List[int], values: torch.Tensor, offsets: torch.Tensor,
+                       per_sample_weights: Optional[torch.Tensor], batch_size: int, key_index: List[int],
+                       modes: List[int], what: List[str]) -> torch.Tensor:
+    """[B, sum of dims] float32: a collection's lookups in one call, as FBGEMM's TBE
+    forward makes them. A batch laid out as a KeyedJaggedTensor's (values, offsets of K
+    keys x B bags + 1, per_sample_weights like values or None); job j (table j's
+    tensors, metas[4j:4j + 4], dtypes[j]: 0 float32, 1 float16, 2 bfloat16, as
+    ibp_embed.dtypes.LOOKUP_DTYPES codes them) pools key key_index[j] with modes[j] (0 SUM,
+    1 MEAN) into columns [D_0 + .. + D_{j-1}, + D_j); what[j] names the job in errors.
+    Runs as ibp_embed.lookup_many: one native call over all the jobs' bags, small
+    tables from decoded copies, kept native jobs."""
+    who = "pooled_lookup_many"
+    if batch_size < 0 or values.dim() != 1 or offsets.dim() != 1:
+        raise ValueError(f"{who}: values and offsets must be 1-D and batch_size >= 0")
+    if per_sample_weights is not None and per_sample_weights.shape != values.shape:
+        raise ValueError(f"{who}: per_sample_weights of shape {tuple(per_sample_weights.shape)} for values of "
+                         f"shape {tuple(values.shape)}")
+    _check_on_cpu(who, values, offsets, per_sample_weights)
+    vals, off, w = keyed_layout(values, offsets, per_sample_weights, who)
+    tables, packed = _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, key_index, modes,
+                                      what)
+    return packed(vals, off, w, batch_size, what.__getitem__, tables.__getitem__)
+
+
+# The tables and PackedJobs of each collection's call (its tensors, metas, dtypes, keys and
+# modes), so that a call checks only the tensors' version counters (an entry goes when one
+# of its tensors dies, so its ids name live tensors, the same objects): building them took
+# 90 of a B1 call's 150 us into the 26 Criteo tables.
+_JOBS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_JOBS_MAX = 64
+
+
+def _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, key_index, modes, what):
+    lists = (masks, bitvals, block_base, rel, payload, metas, dtypes, key_index, modes)
+    tensors = (*masks, *bitvals, *block_base, *rel, *payload)
+    key = (*map(len, lists), *map(id, tensors), *metas, *dtypes, *key_index, *modes)
+    entry = _JOBS.get(key)
+    if entry is not None and entry[2] == tuple(t._version for t in tensors):
+        return entry[0], entry[1]
+    n = len(masks)
+    if not len(bitvals) == len(block_base) == len(rel) == len(payload) == len(dtypes) == len(key_index) == \
+            len(modes) == len(what) == n or len(metas) != 4 * n:
+        raise ValueError(f"pooled_lookup_many: {n} jobs need as many table tensors, dtypes, key indices, modes "
+                         f"and names, and 4 metas each")
+    tables = []
+    for j in range(n):
+        if dtypes[j] not in _DTYPE_OF_CODE:
+            raise TypeError(f"{what[j]}: dtype code {dtypes[j]}: pooled lookups need a float32 (0), float16 (1) or "
+                            f"bfloat16 (2) table")
+        if modes[j] not in (0, 1):
+            raise ValueError(f"{what[j]}: mode must be 0 (sum) or 1 (mean), not {modes[j]}")
+        tables.append(_table_of(masks[j], bitvals[j], block_base[j], rel[j], payload[j], metas[4 * j:4 * j + 4],
+                                _DTYPE_OF_CODE[dtypes[j]], what[j]))
+    packed = PackedJobs(tables, [("sum", "mean")[m] for m in modes], key_index)
+    token = object()
+
+    def forget(_):
+        got = _JOBS.get(key)
+        if got is not None and got[3] is token:
+            _JOBS.pop(key, None)
+
+    refs = tuple(weakref.ref(t, forget) for t in {id(t): t for t in tensors}.values())
+    _JOBS[key] = (tables, packed, tuple(t._version for t in tensors), token, refs)
+    if len(_JOBS) > _JOBS_MAX:
+        _JOBS.popitem(last=False)
+    return tables, packed
+
+
+_LIB.impl("pooled_lookup_many", pooled_lookup_many, "CPU")
+
+
+@torch.library.register_fake("ibp::pooled_lookup_many")
+def _pooled_lookup_many_fake(masks, bitvals, block_base, rel, payload, metas, dtypes, values, offsets,
+                             per_sample_weights, batch_size, key_index, modes, what):
+    return values.new_empty((batch_size, sum(metas[1::4])), dtype=torch.float32)
+
+
+class _PooledLookupManyWithWeightsGrad(torch.autograd.Function):
+    """pooled_lookup_many whose per_sample_weights require grad (see
+    _PooledLookupWithWeightsGrad): a key that several jobs pool sums their gradients."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        masks, bitvals, block_base, rel, payload, metas, dtypes, values, offsets, weights, b, key_index, modes, \
+            what = inputs
+        ctx.save_for_backward(values, offsets, *masks, *bitvals, *block_base, *rel, *payload)
+        ctx.args = (metas, dtypes, b, key_index, modes, what, weights.dtype)
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.ibp.pooled_lookup_many.default(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        values, offsets, *tensors = ctx.saved_tensors
+        metas, dtypes, b, key_index, modes, what, weights_dtype = ctx.args
+        n = len(dtypes)
+        off = offsets.to(torch.int64)
+        grad_weights = torch.zeros(values.shape, dtype=torch.float32)
+        col = 0
+        for j in range(n):
+            k, d = key_index[j], metas[4 * j + 1]
+            lo, hi = int(off[k * b]), int(off[(k + 1) * b])
+            rows = torch.ops.ibp.gather(*tensors[j::n], metas[4 * j:4 * j + 4], _DTYPE_OF_CODE[dtypes[j]],
+                                        values[lo:hi], what[j])
+            grad_weights[lo:hi] += _weights_grad(rows, grad[:, col:col + d], off[k * b:(k + 1) * b + 1] - lo,
+                                                 modes[j])
+            col += d
+        return (None,) * 9 + (grad_weights.to(weights_dtype),) + (None,) * 4
+
+
+def _pooled_lookup_many_autograd(*inputs):
+    """The Autograd kernel (see _pooled_lookup_autograd)."""
+    weights = inputs[9]
+    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+        return _PooledLookupManyWithWeightsGrad.apply(*inputs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.ibp.pooled_lookup_many.default(*inputs)
+
+
+_LIB.impl("pooled_lookup_many", _pooled_lookup_many_autograd, "Autograd")
+
+
 def gather(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.Tensor, rel: torch.Tensor,
            payload: torch.Tensor, meta: List[int], dtype: torch.dtype, indices: torch.Tensor,
            what: str) -> torch.Tensor:
     """Rows `indices` (any shape of integers), bit-exact: indices.shape + [dim] of dtype."""
-    n, d = meta[0], meta[1]
-    row_bytes = d * dtype.itemsize
-    _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes, what)
+    table = _table_of(masks, bitvals, block_base, rel, payload, meta, dtype, what)
+    n, d = table.shape
     check_integers(indices, f"{what}: ids")
     _check_on_cpu(what, indices)
     idx = indices.to(torch.int64).contiguous().reshape(-1)
-    out = torch.empty((idx.numel(), row_bytes), dtype=torch.uint8)
+    out = torch.empty((idx.numel(), d * dtype.itemsize), dtype=torch.uint8, device="cpu")
     if idx.numel():
-        c, _ = _c_table(masks, bitvals, block_base, rel, payload, meta, row_bytes)
-        rc = lib.ibp_decode(c, ffi.cast("const int64_t *", idx.data_ptr()), idx.numel(),
+        rc = lib.ibp_decode(table._c, ffi.cast("const int64_t *", idx.data_ptr()), idx.numel(),
                             ffi.cast("uint8_t *", out.data_ptr()))
         if rc == lib.IBP_E_INDEX:
             raise IndexError(f"{what}: id {_bad_id(idx, n)} out of range for a table of {n} rows")
@@ -209,6 +408,9 @@ def gather(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.Tensor,
     return out.view(dtype).reshape(*indices.shape, d)
 
 
-@gather.register_fake
+_LIB.impl("gather", gather, "CPU")
+
+
+@torch.library.register_fake("ibp::gather")
 def _gather_fake(masks, bitvals, block_base, rel, payload, meta, dtype, indices, what):
     return indices.new_empty((*indices.shape, meta[1]), dtype=dtype)

@@ -98,7 +98,7 @@ def test_the_operators_read_fixed_length_rows_without_the_index():
     w = _one_exponent(500, 32, seed=4)
     t = ibp_embed.compress(w, word_bits=64)
     tensors = ops.table_tensors(t)
-    c, _ = ops._c_table(*[tensors[k] for k in ops.TABLE_TENSORS], tensors["meta"], t._row_bytes)
+    c = ops._table_of(*[tensors[k] for k in ops.TABLE_TENSORS], tensors["meta"], torch.float16, "t")._c
     assert c.fixed_len == t.row_lengths()[0] > 0
     ids, off = torch.tensor([1, 499, 499, 0]), torch.tensor([0, 3, 4])
     got = torch.ops.ibp.pooled_lookup(*[tensors[k] for k in ops.TABLE_TENSORS], tensors["meta"], torch.float16,

@@ -15,8 +15,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..codec import compress
 from ..packed_jobs import PackedJobs
-from ..batched import _lookup_many_checked
-from ..table import CompressedTable, _id_out_of_range, check_real_weights
+from ..batched import _lookup_many_checked, keyed_layout
+from ..table import CompressedTable, _id_out_of_range
 
 # Codec options accepted by the modules and passed to ibp_embed.compress.
 CODEC_OPTIONS = ("word_bits", "clusters", "threshold", "sample_rows", "seed", "progress", "allow_raw")
@@ -109,25 +109,12 @@ def check_kjt(kjt: KeyedJaggedTensor, weighted: bool, who: str) -> None:
 def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):
     """(values int64 np, offsets np [F*B+1], weights float32 np or None, B) on the host, validated."""
     check_kjt(kjt, weighted, who)
-    values, weights = kjt.values(), kjt.weights_or_none()
     b = kjt.stride()
-    n_values = values.numel()
     off = kjt.offsets()
-    off_np = np.ascontiguousarray(off.detach().to("cpu", torch.int64).numpy())
-    if off_np.shape != (n_keys * b + 1,):
-        raise ValueError(f"{who}: offsets have {off_np.size} entries, expected "
+    if off.numel() != n_keys * b + 1:
+        raise ValueError(f"{who}: offsets have {off.numel()} entries, expected "
                          f"{n_keys} keys x batch {b} + 1 = {n_keys * b + 1}")
-    if off_np[0] != 0 or off_np[-1] != n_values or (off_np.size > 1 and np.any(np.diff(off_np) < 0)):
-        raise ValueError(f"{who}: offsets must run from 0 to len(values) = {n_values} without "
-                         f"decreasing (got {int(off_np[0])} .. {int(off_np[-1])})")
-    vals = np.ascontiguousarray(values.detach().reshape(-1).to("cpu", torch.int64).numpy())
-    w = None
-    if weights is not None:
-        if weights.numel() != n_values:
-            raise ValueError(f"{who}: {weights.numel()} weights for {n_values} ids")
-        check_real_weights(weights, who)
-        w = np.ascontiguousarray(weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
-    return vals, off_np, w, b
+    return (*keyed_layout(kjt.values(), off, kjt.weights_or_none(), who), b)
 
 
 def warn_if_dedup(dedup: Optional[str]) -> None:
