@@ -19,6 +19,7 @@ IndexError / ValueError naming ``what`` (the feature and table).
 """
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from collections import OrderedDict
@@ -297,6 +298,7 @@ def pooled_lookup_many(masks: List[torch.Tensor], bitvals: List[torch.Tensor], b
 # of its tensors dies, so its ids name live tensors, the same objects): building them took
 # 90 of a B1 call's 150 us into the 26 Criteo tables.
 _JOBS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_VERSION = operator.attrgetter("_version")
 _JOBS_MAX = 64
 
 
@@ -305,7 +307,7 @@ def _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, ke
     tensors = (*masks, *bitvals, *block_base, *rel, *payload)
     key = (*map(len, lists), *map(id, tensors), *metas, *dtypes, *key_index, *modes)
     entry = _JOBS.get(key)
-    if entry is not None and entry[2] == tuple(t._version for t in tensors):
+    if entry is not None and entry[2] == tuple(map(_VERSION, tensors)):  # (map: 8 us for 130 tensors, not 12)
         return entry[0], entry[1]
     n = len(masks)
     if not len(bitvals) == len(block_base) == len(rel) == len(payload) == len(dtypes) == len(key_index) == \
@@ -330,7 +332,7 @@ def _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, ke
             _JOBS.pop(key, None)
 
     refs = tuple(weakref.ref(t, forget) for t in {id(t): t for t in tensors}.values())
-    _JOBS[key] = (tables, packed, tuple(t._version for t in tensors), token, refs)
+    _JOBS[key] = (tables, packed, tuple(map(_VERSION, tensors)), token, refs)
     if len(_JOBS) > _JOBS_MAX:
         _JOBS.popitem(last=False)
     return tables, packed
