@@ -177,3 +177,69 @@ def test_meta_construction_to_empty_and_load(pair):
     same(m(features), IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)(features))
     m.to("meta")
     assert m.embedding_bags["t1"].table is None
+
+
+# ---- graph capture: the collection as one operator ----
+
+def weighted_pair():
+    torch.manual_seed(2)
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8 * (i + 1), num_embeddings=60 * (i + 1),
+                                  feature_names=[f"f{i}"] + (["shared"] if i == 1 else []))
+               for i in range(3)]
+    ebc = EmbeddingBagCollection(configs, is_weighted=True)
+    return ebc, IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc)
+
+
+def weighted_kjt(keys, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 5, (len(keys) * 3,), generator=g)
+    values = torch.randint(0, 60, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.shape, generator=g).requires_grad_(requires_grad)
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+def test_captured_collections_run_one_operator_that_follows_the_input_keys():
+    """fx, TorchScript, export and compile see the whole collection as one
+    ibp.pooled_lookup_many (TorchRec runs one TBE op): the same output as eager, for
+    any order of the input's keys (a feature read by two tables, keys no table reads),
+    and the eager errors for a missing feature or an id out of range."""
+    _, ibp = weighted_pair()
+    gm = torchrec.fx.symbolic_trace(ibp)
+    assert [n.target for n in gm.graph.nodes].count(torch.ops.ibp.pooled_lookup_many) == 1
+    script = torch.jit.script(ibp)
+    features = weighted_kjt(["f0", "f1", "shared", "f2"], 0)
+    ep = torch.export.export(ibp, (features,), strict=False)
+    compiled = torch.compile(ibp, fullgraph=True)
+    for keys in (["f0", "f1", "shared", "f2"], ["f2", "extra", "shared", "f1", "f0"]):
+        x = weighted_kjt(keys, 1)
+        want = ibp(x)
+        for m in (gm, script, compiled):
+            same(m(x), want)
+    same(ep.module()(features), ibp(features))
+    missing = weighted_kjt(["f0", "f1", "f2"], 2)
+    for m in (gm, script):
+        with pytest.raises(Exception, match="input lacks feature 'shared'"):
+            m(missing)
+    bad = weighted_kjt(["f0", "f1", "shared", "f2"], 3)
+    bad = KeyedJaggedTensor(keys=bad.keys(), values=torch.full_like(bad.values(), 119), lengths=bad.lengths(),
+                            weights=bad.weights())
+    with pytest.raises(IndexError, match="feature 'f0' of table 't0'.*119 out of range"):
+        gm(bad)
+
+
+def test_per_sample_weights_get_their_gradient_as_in_torchrec():
+    """Learned per-id weights (a position-weighted feature processor) get the gradient
+    TorchRec's EBC gives them, eager and traced; the tables themselves stay frozen."""
+    ebc, ibp = weighted_pair()
+    gm = torchrec.fx.symbolic_trace(ibp)
+    keys = ["f0", "f1", "shared", "f2"]
+    x = weighted_kjt(keys, 4, requires_grad=True)
+    g = torch.randn(3, sum(8 * (i + 1) for i in (0, 1, 1, 2)))
+    ebc(x).values().backward(g)
+    want = x.weights().grad.clone()
+    for m in (ibp, gm):
+        x.weights().grad = None
+        out = m(x).values()
+        assert out.requires_grad
+        out.backward(g)
+        torch.testing.assert_close(x.weights().grad, want, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import cuda
+from ..dtypes import LOOKUP_DTYPES
 from ..ops import table_from_tensors, table_tensors
 from ..optim import SparseOptimizer, state_nbytes
 from ..store import UpdatableTable
@@ -52,6 +53,7 @@ class IBPEmbeddingBag(nn.Module):
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.dtype, self.mode, self.name = dtype, mode, name
         self.mode_code = POOL_MODES[mode]
+        self.dtype_code = LOOKUP_DTYPES.get(dtype, -1)  # torch.ops.ibp.pooled_lookup_many's
         self._what = f"table {name!r}"
         self._codec_options = codec_options
         for k, dt in _BUFFER_DTYPES.items():
@@ -157,17 +159,22 @@ class IBPEmbeddingBag(nn.Module):
                 per_sample_weights: Optional[torch.Tensor] = None, feature: str = "") -> torch.Tensor:
         """Pooled lookup as nn.EmbeddingBag's (offsets with B + 1 entries): [B, dim] float32."""
         what = self._what if feature == "" else "feature '" + feature + "' of " + self._what
-        if self.on_cuda:
-            if torch.jit.is_scripting():
-                raise RuntimeError(what + " is on cuda: its lookups run eagerly (script the module on the CPU)")
+        if self.on_cuda and not torch.jit.is_scripting():
             return self._device_lookup(input, offsets, per_sample_weights, what)
-        if self.masks.dim() != 2 and input.device.type != "meta":  # no packed table (a raw one may have no bytes)
-            if not torch.jit.is_scripting():
-                raise RuntimeError(what + self._no_table_reason())
-            raise RuntimeError(what + " holds no packed table")
+        self.require_host_table(what, input)
         return torch.ops.ibp.pooled_lookup(self.masks, self.bitvals, self.block_base, self.rel, self.payload,
                                            self.meta, self.dtype, input, offsets, per_sample_weights,
                                            self.mode_code, what)
+
+    def require_host_table(self, what: str, input: torch.Tensor) -> None:
+        """Raise unless the operators can read the table: packed in the buffers (or the
+        input on meta), not placed on a GPU (whose lookups run eagerly)."""
+        if self.on_cuda:
+            raise RuntimeError(what + " is on cuda: its lookups run eagerly (script the module on the CPU)")
+        if self.masks.dim() != 2 and input.device.type != "meta":  # (a raw table may have no bytes)
+            if not torch.jit.is_scripting():
+                raise RuntimeError(what + self._no_table_reason())
+            raise RuntimeError(what + " holds no packed table")
 
     @torch.jit.unused
     def _device_lookup(self, input: torch.Tensor, offsets: torch.Tensor,

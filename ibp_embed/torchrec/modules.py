@@ -58,6 +58,18 @@ from .lookup import (
 )
 from .embedding_bag import DEFAULT_REPACK_DRIFT, IBPEmbeddingBag
 
+@torch.fx.wrap
+def key_positions(keys: List[str], features: List[str]) -> List[int]:
+    """The position in `keys` of each of `features` (one node in an fx graph: computed
+    from each call's keys)."""
+    positions: List[int] = []
+    for f in features:
+        if f not in keys:
+            raise KeyError("IBPEmbeddingBagCollection: input lacks feature '" + f + "'")
+        positions.append(keys.index(f))
+    return positions
+
+
 __all__ = [
     "IBPEmbeddingBag",
     "IBPEmbeddingBagCollection",
@@ -162,6 +174,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             e for names_ in get_embedding_names_by_table(tables) for e in names_]
         self._lengths_per_embedding: List[int] = [
             c.embedding_dim for c in tables for _ in c.feature_names]
+        self._slot_features: List[str] = [f for names_ in self._feature_names for f in names_]
+        self._slot_what: List[str] = [f"IBPEmbeddingBagCollection: feature {f!r} of table {c.name!r}"
+                                      for c in tables for f in c.feature_names]
         self._needed_list = list(dict.fromkeys(f for names_ in self._feature_names for f in names_))
         self._needed = set(self._needed_list)
         if _tables is None and self._device.type != "meta":
@@ -371,10 +386,52 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if not is_fx_tracing():
                 self._check_features(features)
             if self._trainable or (self._device.type == "cpu" and not is_fx_tracing()
-                                   and not torch.compiler.is_compiling()):
+                                   and not torch.compiler.is_compiling() and not self._weights_need_grad(features)):
                 return self._forward_eager(features)
-        # Traced, compiled or scripted (and on cuda): one op per feature, which fx,
-        # torch.compile and export can see.
+        if not torch.jit.is_scripting() and self._device.type == "cuda":
+            return self._forward_on_cuda(features)
+        # Traced, compiled or scripted: the whole collection in one operator (as TorchRec
+        # runs one TBE op), which fx, torch.compile, export and TorchScript see as a node.
+        masks: List[torch.Tensor] = []
+        bitvals: List[torch.Tensor] = []
+        block_base: List[torch.Tensor] = []
+        rel: List[torch.Tensor] = []
+        payload: List[torch.Tensor] = []
+        metas: List[int] = []
+        dtypes: List[int] = []
+        modes: List[int] = []
+        values = features.values()
+        j = 0
+        for i, bag in enumerate(self.embedding_bags.values()):
+            for _ in self._feature_names[i]:
+                bag.require_host_table(self._slot_what[j], values)
+                masks.append(bag.masks)
+                bitvals.append(bag.bitvals)
+                block_base.append(bag.block_base)
+                rel.append(bag.rel)
+                payload.append(bag.payload)
+                metas.extend(bag.meta)
+                dtypes.append(bag.dtype_code)
+                modes.append(bag.mode_code)
+                j += 1
+        weights: Optional[torch.Tensor] = None
+        if self._is_weighted:
+            weights = features.weights()
+        pooled = torch.ops.ibp.pooled_lookup_many(
+            masks, bitvals, block_base, rel, payload, metas, dtypes, values, features.offsets(), weights,
+            features.stride(), key_positions(features.keys(), self._slot_features), modes, self._slot_what)
+        return KeyedTensor(keys=self._embedding_names, values=pooled, length_per_key=self._lengths_per_embedding)
+
+    @torch.jit.unused
+    def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:
+        """Per-sample weights that autograd follows (e.g. learned position weights): the
+        operator gives them their gradient, the eager jobs would drop it."""
+        weights = features.weights_or_none() if self._is_weighted else None
+        return weights is not None and weights.requires_grad and torch.is_grad_enabled()
+
+    @torch.jit.unused
+    def _forward_on_cuda(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Inference on cuda: each feature's DeviceTable (the CUDA library), eagerly."""
         feature_dict = features.to_dict()
         pooled: List[torch.Tensor] = []
         for i, bag in enumerate(self.embedding_bags.values()):
