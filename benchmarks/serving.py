@@ -1,4 +1,4 @@
-"""Inference-sized batches: the IBP collection against TorchRec's fused EBC, module to module.
+"""Inference-sized batches: the IBP collection against TorchRec's EBCs, module to module.
 
     python -m benchmarks.serving                       # fp32 d64, B1 to B1024
     python -m benchmarks.serving --dtype float16 --dim 128 --batches 1,16
@@ -16,10 +16,13 @@ thread (--threads), each IBP call interleaved with its FBGEMM counterpart
 the other, whose tables take the caches). One level down, the same batches through
 FBGEMM's TBE forward (the fused EBC's kernel, ids and offsets as the KJT holds
 them) and through ibp_embed.lookup_many, given the same two tensors (the TBE
-layout) and given one tensor of ids and one of offsets a table (lists). Outputs are checked against the
-fused EBC's and the TBE's (float32: bit for bit; float16: to 1e-3). Results: two
-markdown tables (median us a call and the ratio of FBGEMM's time to IBP's, above 1
-where IBP is faster) and benchmarks/results/serving-<UTC time>.json.
+layout) and given one tensor of ids and one of offsets a table (lists). As a model
+is served: the IBP collection and TorchRec's inference EBC (torchrec.quant's, FP32 /
+FP16 rows, FBGEMM's inference TBE) each traced with torchrec.fx and scripted. Outputs
+are checked against the fused EBC's, the TBE's and the quant EBC's (float32: bit for
+bit; float16: to 1e-3). Results: three markdown tables (median us a call and the
+ratio of FBGEMM's time to IBP's, above 1 where IBP is faster) and
+benchmarks/results/serving-<UTC time>.json.
 """
 from __future__ import annotations
 
@@ -34,12 +37,13 @@ import ibp_embed
 from ibp_embed import datasets
 
 from . import common
-from .lookup.systems import build_tbe, ibp_ebc, torchrec_fused_ebc
+from .lookup.systems import build_tbe, captured, ibp_ebc, torchrec_fused_ebc, torchrec_quant_ebc
 from .lookup.tables import criteo_rows
 from .lookup.workloads import Workload, make_batch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-PAIRS = (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe"))  # each IBP call and its FBGEMM counterpart
+# each IBP call and its FBGEMM counterpart
+PAIRS = (("ibp", "fused"), ("many", "tbe"), ("many_lists", "tbe"), ("ibp_captured", "quant_captured"))
 
 
 def parse(argv=None):
@@ -78,6 +82,7 @@ def main(argv=None) -> dict:
         for dst, w in zip(tbe.split_embedding_weights(), weights):
             dst.copy_(w)
     fused, ibp = torchrec_fused_ebc(tbe, [args.dim] * len(rows)), ibp_ebc(tables, [args.dim] * len(rows), dtype)
+    ibp_captured, quant_captured = captured(ibp), captured(torchrec_quant_ebc(weights, dtype))
     runs = []
     with torch.no_grad(), common.threads(args.threads):
         for b in args.sizes:
@@ -86,7 +91,9 @@ def main(argv=None) -> dict:
             calls = {"fused": lambda x: fused(x.kjt).values(), "ibp": lambda x: ibp(x.kjt).values(),
                      "tbe": lambda x: tbe(x.ids, x.offsets),
                      "many": lambda x: ibp_embed.lookup_many(tables, x.ids, x.offsets),
-                     "many_lists": lambda x: ibp_embed.lookup_many(tables, x.ids_of, x.offsets_of)}
+                     "many_lists": lambda x: ibp_embed.lookup_many(tables, x.ids_of, x.offsets_of),
+                     "ibp_captured": lambda x: ibp_captured(x.kjt).values(),
+                     "quant_captured": lambda x: quant_captured(x.kjt).values()}
             for x in stream:
                 check(calls, x, dtype, b)
             # in pairs: each call after the other's, whose tables evict its own from the caches
@@ -100,7 +107,10 @@ def main(argv=None) -> dict:
                          "speed": us["fused with ibp"] / us["ibp"], "tbe_us": us["tbe with many"], "many_us": us["many"],
                          "many_speed": us["tbe with many"] / us["many"], "tbe_lists_us": us["tbe with many_lists"],
                          "many_lists_us": us["many_lists"],
-                         "many_lists_speed": us["tbe with many_lists"] / us["many_lists"]})
+                         "many_lists_speed": us["tbe with many_lists"] / us["many_lists"],
+                         "quant_captured_us": us["quant_captured with ibp_captured"],
+                         "ibp_captured_us": us["ibp_captured"],
+                         "captured_speed": us["quant_captured with ibp_captured"] / us["ibp_captured"]})
     print(f"{len(rows)} Criteo tables x {args.scale:g}, {args.dtype} d{args.dim}, P{args.pooling} Zipf 1.05, "
           f"{args.stream} distinct batch(es) a size, forward under no_grad, {args.threads} thread(s), median of "
           f"{args.repeats} interleaved rounds of {args.calls} calls; "
@@ -114,6 +124,11 @@ def main(argv=None) -> dict:
                                 [[r["batch"], common.fmt(r["tbe_us"], 1), common.fmt(r["many_us"], 1),
                                   f"{r['many_speed']:.2f}x", common.fmt(r["tbe_lists_us"], 1),
                                   common.fmt(r["many_lists_us"], 1), f"{r['many_lists_speed']:.2f}x"] for r in runs]))
+    print()
+    print(common.markdown_table(["batch", "TorchRec quant EBC us (traced + scripted)",
+                                 "IBP collection us (traced + scripted)", "quant / IBP"],
+                                [[r["batch"], common.fmt(r["quant_captured_us"], 1), common.fmt(r["ibp_captured_us"], 1),
+                                  f"{r['captured_speed']:.2f}x"] for r in runs]))
     return common.save_runs("serving", {k: v for k, v in vars(args).items() if k != "sizes"}, runs,
                             args.results_dir, fbgemm_collapse_refused=tbe.collapse_refused)
 
@@ -129,14 +144,15 @@ def serving_batch(rows: list, b: int, pooling: int, seed: int) -> SimpleNamespac
 
 
 def check(calls: dict, batch: SimpleNamespace, dtype: torch.dtype, b: int) -> None:
-    """Each IBP call's output against FBGEMM's (the fused EBC's, the TBE's)."""
+    """Each IBP call's output against FBGEMM's (the fused EBC's, the TBE's, the quant EBC's)."""
     for mine, theirs in PAIRS:
         want, got = calls[theirs](batch), calls[mine](batch)
         same = torch.equal(want, got) if dtype == torch.float32 else \
             torch.allclose(want, got, rtol=1e-3, atol=1e-3)
         if not same:
             names = {"ibp": "the IBP collection", "fused": "the fused EBC", "many": "lookup_many (TBE layout)",
-                     "many_lists": "lookup_many (lists)", "tbe": "the TBE"}
+                     "many_lists": "lookup_many (lists)", "tbe": "the TBE",
+                     "ibp_captured": "the captured IBP collection", "quant_captured": "the captured quant EBC"}
             raise SystemExit(f"serving: {names[mine]}'s output differs from {names[theirs]}'s (B{b})")
 
 

@@ -21,6 +21,7 @@ def test_each_batch_is_timed_and_checked(tmp_path, dtype):
         assert r["fused_us"] > 0 and r["ibp_us"] > 0 and r["speed"] == r["fused_us"] / r["ibp_us"]
         assert r["tbe_us"] > 0 and r["many_speed"] == r["tbe_us"] / r["many_us"]
         assert r["many_lists_speed"] == r["tbe_lists_us"] / r["many_lists_us"]
+        assert r["captured_speed"] == r["quant_captured_us"] / r["ibp_captured_us"]
     saved = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
     assert saved["runs"] == json.loads(json.dumps(got["runs"]))
 
@@ -58,6 +59,21 @@ def test_a_wrong_lookup_many_stops_it(tmp_path, monkeypatch, layout):
 
     monkeypatch.setattr(serving.ibp_embed, "lookup_many", wrong)
     with pytest.raises(SystemExit, match=rf"lookup_many \({layout}\)'s output differs from the TBE's"):
+        serving.main(TINY + ["--results-dir", str(tmp_path)])
+
+
+def test_a_wrong_captured_collection_stops_it(tmp_path, monkeypatch):
+    real = serving.captured
+
+    def wrong(module):
+        graph = real(module)
+        if type(module).__name__ != "IBPEmbeddingBagCollection":
+            return graph
+        return lambda kjt: type(graph(kjt))(keys=graph(kjt).keys(), values=graph(kjt).values() + 1,
+                                            length_per_key=graph(kjt).length_per_key())
+
+    monkeypatch.setattr(serving, "captured", wrong)
+    with pytest.raises(SystemExit, match="the captured IBP collection's output differs from the captured quant EBC's"):
         serving.main(TINY + ["--results-dir", str(tmp_path)])
 
 

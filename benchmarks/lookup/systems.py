@@ -97,3 +97,33 @@ def reference_output(weights, batch: Batch) -> torch.Tensor:
         outs.append(F.embedding_bag(inv, w[uniq].float(), torch.from_numpy(off), mode="sum",
                                     include_last_offset=True))
     return torch.cat(outs, dim=1)
+
+
+def torchrec_quant_ebc(weights, dtype):
+    """TorchRec's inference EBC (torchrec.quant.EmbeddingBagCollection, whose forward is
+    FBGEMM's inference TBE, IntNBitTableBatchedEmbeddingBagsCodegen) holding `weights`
+    (table t: feature f<t>) as FP32 or FP16 rows, as stored: the module TorchRec serves
+    with (quantize_inference_model's), made by from_float."""
+    from torch.ao.quantization import PlaceholderObserver, QConfig
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import DataType
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+
+    data_type = {torch.float32: DataType.FP32, torch.float16: DataType.FP16}[dtype]
+    configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=w.shape[1], num_embeddings=w.shape[0],
+                                  feature_names=[f"f{t}"], data_type=data_type) for t, w in enumerate(weights)]
+    ebc = EmbeddingBagCollection(configs)
+    with torch.no_grad():
+        for t, w in enumerate(weights):
+            ebc.embedding_bags[f"t{t}"].weight.copy_(w)
+    ebc.qconfig = QConfig(activation=PlaceholderObserver.with_args(dtype=torch.float),
+                          weight=PlaceholderObserver.with_args(dtype=dtype))
+    return QuantEmbeddingBagCollection.from_float(ebc)
+
+
+def captured(module):
+    """`module` as TorchRec models are served: torchrec.fx.symbolic_trace, then
+    torch.jit.script of the graph."""
+    import torchrec.fx
+
+    return torch.jit.script(torchrec.fx.symbolic_trace(module))
