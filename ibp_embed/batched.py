@@ -21,7 +21,7 @@ import torch
 from ._native import lib
 from .packed_jobs import PackedJobs, array_address
 from .table import (_MODES, CompressedTable, TableReads, _as_float_array, _as_index_array, _check_lookup_rc,
-                    _ndim, check_integers, check_real_weights)
+                    _ndim, check_real_weights)
 
 # the jobs of the last _CACHED sets of (tables, modes) built: a program usually calls with one
 _CACHED = 8
@@ -191,20 +191,17 @@ def keyed_layout(values, offsets, weights, who: str):
     """A batch laid out as a KeyedJaggedTensor's (values, offsets [keys x B + 1],
     weights or None), checked: (values int64, offsets int64 from 0 to len(values) without
     decreasing, weights float32 or None), contiguous NumPy arrays on the host."""
-    check_integers(values, f"{who}: ids")
-    check_integers(offsets, f"{who}: offsets")
-    n_values = values.numel()
-    off = np.ascontiguousarray(offsets.detach().reshape(-1).to("cpu", torch.int64).numpy())
-    if off.size < 1 or off[0] != 0 or off[-1] != n_values or np.any(np.diff(off) < 0):
-        raise ValueError(f"{who}: offsets must run from 0 to len(values) = {n_values} without decreasing (got "
+    vals = _as_index_array(values, f"{who}: ids").reshape(-1)
+    off = _as_index_array(offsets, f"{who}: offsets").reshape(-1)
+    if off.size < 1 or off[0] != 0 or off[-1] != vals.size or (off[1:] < off[:-1]).any():
+        raise ValueError(f"{who}: offsets must run from 0 to len(values) = {vals.size} without decreasing (got "
                          f"{int(off[0]) if off.size else None} .. {int(off[-1]) if off.size else None})")
-    vals = np.ascontiguousarray(values.detach().reshape(-1).to("cpu", torch.int64).numpy())
     w = None
     if weights is not None:
-        if weights.numel() != n_values:
-            raise ValueError(f"{who}: {weights.numel()} weights for {n_values} ids")
+        if weights.numel() != vals.size:
+            raise ValueError(f"{who}: {weights.numel()} weights for {vals.size} ids")
         check_real_weights(weights, who)
-        w = np.ascontiguousarray(weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
+        w = _as_float_array(weights)
     return vals, off, w
 
 

@@ -1,11 +1,12 @@
-"""libibp's lookups as PyTorch operators: ``torch.ops.ibp.pooled_lookup`` and ``torch.ops.ibp.gather``.
+"""libibp's lookups as PyTorch operators: ``torch.ops.ibp.pooled_lookup`` (one table),
+``torch.ops.ibp.pooled_lookup_many`` (a collection in one call) and ``torch.ops.ibp.gather``.
 
 As FBGEMM exposes its kernels as ``torch.ops.fbgemm.*``, these are registered with
 ``torch.library`` (a schema, a CPU kernel, a fake kernel for shape propagation and, for
-pooled_lookup, the gradient of per_sample_weights), so fx, ``torch.compile(fullgraph=True)``,
-``torch.export`` and ``torch.jit.script`` see a lookup as one node. They are defined
-through ``torch.library.Library`` rather than ``torch.library.custom_op``, whose
-Python wrappers cost about 20 us a call (one call a feature in a traced model). A
+the two pooled lookups, the gradient of per_sample_weights), so fx,
+``torch.compile(fullgraph=True)``, ``torch.export`` and ``torch.jit.script`` see a
+lookup as one node. They are defined through ``torch.library.Library`` rather than
+``torch.library.custom_op``, whose Python wrappers cost about 20 us a call. A
 compressed table enters them as plain tensors (``table_tensors``): masks and bitvals
 ([K, M]), block_base, rel and payload, plus ``meta`` = [rows, dim, word_bits,
 payload_bytes]. The tensors hold the table's bytes as signed integers (int64 for the
@@ -13,9 +14,11 @@ uint64 arrays, int16 / int32 for rel, uint8 payload): torch pickles those, and n
 its unsigned 16/32/64-bit dtypes. Modules keep these tensors as buffers.
 
 The operators trust the table's structure (tables from ``compress``, ``load`` or
-``table_from_tensors`` are validated once); the inputs of every call are checked:
-shapes and sizes of the table tensors, offsets, id ranges, weights. Bad inputs raise
-IndexError / ValueError naming ``what`` (the feature and table).
+``table_from_tensors`` are validated once). The table tensors' shapes and sizes are
+checked against meta when the operators first meet them (and again after any change of
+their memory or version: _TensorCache); the inputs of every call are checked: offsets,
+id ranges, weights. Bad inputs raise IndexError / ValueError naming ``what`` (the
+feature and table).
 """
 from __future__ import annotations
 
@@ -73,15 +76,71 @@ def table_from_tensors(tensors: dict, meta: List[int], dtype: torch.dtype) -> Co
                            payload=arrays["payload"], payload_bytes=payload_bytes, validate=True)
 
 
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _states(tensors: tuple) -> tuple:
+    """What a value built from these tensors depends on beyond their identity: their
+    memory (share_memory_, ``.data =`` and swap_tensors move it, keeping the object and
+    its version) and version counters (an in-place write such as copy_ bumps them;
+    inference tensors keep none: -1, and are read as they were when first seen)."""
+    try:
+        versions = tuple(map(_VERSION, tensors))  # (map: 8 us for 130 tensors, a generator 12)
+    except RuntimeError:
+        versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
+    return (*map(_DATA_PTR, tensors), *versions)
+
+
+class _TensorCache:
+    """Values built from sets of tensors, kept while the tensors live, unchanged. Keyed on
+    the tensors' ids (with the caller's other arguments): an entry goes when one of its
+    tensors dies (a weak reference's callback), so an entry's ids name live tensors, the
+    same objects, and it serves only while their _states are those it was built on. It
+    holds no reference to the tensors (a dropped model's tables are freed); the least
+    recently used entries go past max_entries. Writes through a NumPy view of a tensor
+    bypass its version counter: the table tensors are never written so."""
+
+    def __init__(self, max_entries: int):
+        self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self._max = max_entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple, tensors: tuple):
+        entry = self._entries.get(key)
+        if entry is None or entry[1] != _states(tensors):
+            return None
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile
+            pass
+        return entry[0]
+
+    def put(self, key: tuple, tensors: tuple, value):
+        token = object()
+
+        def forget(_):  # unless replaced meanwhile
+            got = self._entries.get(key)
+            if got is not None and got[2] is token:
+                self._entries.pop(key, None)
+
+        refs = tuple(weakref.ref(t, forget) for t in {id(t): t for t in tensors}.values())
+        self._entries[key] = (value, _states(tensors), token, refs)
+        while len(self._entries) > self._max:
+            try:
+                self._entries.popitem(last=False)
+            except KeyError:
+                break
+        return value
+
+
 # The CompressedTable over each set of table tensors, built (and the tensors checked
-# against meta) on first use. Its arrays are views of the tensors' memory that hold no
-# reference to them, so that the cache never keeps a dropped model's tables alive: an
-# entry goes when one of its tensors dies, and serves only the same tensor objects,
-# unchanged since (their version counters: an in-place copy_ bumps them; the struct
-# holds vbits and fixed_len read from the masks). Writes through a NumPy view of the
-# tensors bypass the counters: the tensors are never written so.
-_TABLES: "OrderedDict[tuple, tuple]" = OrderedDict()
-_TABLES_MAX = 4096
+# against meta) on first use; its arrays are views of the tensors' memory that hold no
+# reference to them. Its struct holds vbits and fixed_len read from the masks, so it
+# must not outlive a change of them (_TensorCache).
+_TABLES = _TensorCache(4096)
 
 
 def _unowned(t: torch.Tensor) -> np.ndarray:
@@ -98,26 +157,15 @@ def _table_of(masks, bitvals, block_base, rel, payload, meta, dtype: torch.dtype
     """The CompressedTable over these tensors (cached, see above)."""
     tensors = (masks, bitvals, block_base, rel, payload)
     key = (*map(id, tensors), *meta, dtype)
-    entry = _TABLES.get(key)
-    if entry is not None and all(r() is t and t._version == v for r, t, v in zip(entry[1], tensors, entry[2])):
-        _TABLES.move_to_end(key)
-        return entry[0]
+    table = _TABLES.get(key, tensors)
+    if table is not None:
+        return table
     _check_table(masks, bitvals, block_base, rel, payload, meta, meta[1] * dtype.itemsize, what)
     n, d, w, payload_bytes = meta
     table = CompressedTable(shape=(n, d), dtype=dtype, word_bits=w, masks=_unowned(masks),
                             bitvals=_unowned(bitvals), block_base=_unowned(block_base), rel=_unowned(rel),
                             payload=_unowned(payload), payload_bytes=payload_bytes, validate=False)
-    token = object()
-
-    def forget(_):  # one of the tensors died: its table goes (unless replaced meanwhile)
-        got = _TABLES.get(key)
-        if got is not None and got[3] is token:
-            _TABLES.pop(key, None)
-
-    _TABLES[key] = (table, tuple(weakref.ref(t, forget) for t in tensors), tuple(t._version for t in tensors), token)
-    if len(_TABLES) > _TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return table
+    return _TABLES.put(key, tensors, table)
 
 
 def _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int, what: str) -> None:
@@ -161,7 +209,8 @@ _LIB.define("pooled_lookup(Tensor masks, Tensor bitvals, Tensor block_base, Tens
             "int mode, str what) -> Tensor")
 _LIB.define("pooled_lookup_many(Tensor[] masks, Tensor[] bitvals, Tensor[] block_base, Tensor[] rel, "
             "Tensor[] payload, int[] metas, int[] dtypes, Tensor values, Tensor offsets, "
-            "Tensor? per_sample_weights, int batch_size, int[] key_index, int[] modes, str[] what) -> Tensor")
+            "Tensor? per_sample_weights, int batch_size, int num_keys, int[] key_index, int[] modes, "
+            "str[] what) -> Tensor")
 _LIB.define("gather(Tensor masks, Tensor bitvals, Tensor block_base, Tensor rel, Tensor payload, int[] meta, "
             "ScalarType dtype, Tensor indices, str what) -> Tensor")
 
@@ -184,8 +233,8 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
     check_integers(indices, f"{what}: ids")
     check_integers(offsets, f"{what}: offsets")
     _check_on_cpu(what, indices, offsets, per_sample_weights)
-    idx = indices.to(torch.int64).contiguous()
-    off = offsets.to(torch.int64).contiguous()
+    idx = indices.to(torch.int64).resolve_neg().contiguous()  # (resolve_neg: free where no bit is set)
+    off = offsets.to(torch.int64).resolve_neg().contiguous()
     check_offset_ends(off.numpy(), idx.numel(), "ids", what)  # through NumPy: 1.1 us, not 2.5
     w = None
     if per_sample_weights is not None:
@@ -193,7 +242,7 @@ def pooled_lookup(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.
         if per_sample_weights.shape != indices.shape:
             raise ValueError(f"{what}: per_sample_weights of shape {tuple(per_sample_weights.shape)} for ids of "
                              f"shape {tuple(indices.shape)}")
-        w = per_sample_weights.detach().to(torch.float32).contiguous()
+        w = per_sample_weights.detach().to(torch.float32).resolve_neg().contiguous()
     n_bags = off.numel() - 1
     out = torch.empty((n_bags, d), dtype=torch.float32, device="cpu")
     if n_bags == 0:
@@ -260,8 +309,22 @@ def _pooled_lookup_autograd(*inputs):
     weights = inputs[9]
     if weights is not None and weights.requires_grad and torch.is_grad_enabled():
         return _PooledLookupWithWeightsGrad.apply(*inputs)
+    return _below_autograd(torch.ops.ibp.pooled_lookup.default, pooled_lookup, inputs)
+
+
+def _below_autograd(op, kernel, inputs):
+    """op's CPU kernel, from its Autograd kernel: called straight where the dispatcher
+    would only reach it (ids, offsets and weights plain CPU tensors, no dispatch mode:
+    not traced, compiled, exported, faked or checked), as its second trip costs ~25 us a
+    call; else through the dispatcher. The kernels resolve negative-bit views themselves
+    (the one fallback a plain tensor can still need); C++ functionalization or vmap
+    wrappers reach here as plain tensors and have no memory the kernels could read."""
+    ids, offsets, weights = inputs[7], inputs[8], inputs[9]
+    if type(ids) is torch.Tensor and type(offsets) is torch.Tensor and ids.device.type == "cpu" and \
+            (weights is None or type(weights) is torch.Tensor) and torch._C._len_torch_dispatch_stack() == 0:
+        return kernel(*inputs)
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.ibp.pooled_lookup.default(*inputs)
+        return op(*inputs)
 
 
 _LIB.impl("pooled_lookup", _pooled_lookup_autograd, "Autograd")
@@ -270,11 +333,11 @@ _LIB.impl("pooled_lookup", _pooled_lookup_autograd, "Autograd")
 def pooled_lookup_many(masks: List[torch.Tensor], bitvals: List[torch.Tensor], block_base: List[torch.Tensor],
                        rel: List[torch.Tensor], payload: List[torch.Tensor], metas: List[int],
                        dtypes: List[int], values: torch.Tensor, offsets: torch.Tensor,
-                       per_sample_weights: Optional[torch.Tensor], batch_size: int, key_index: List[int],
-                       modes: List[int], what: List[str]) -> torch.Tensor:
+                       per_sample_weights: Optional[torch.Tensor], batch_size: int, num_keys: int,
+                       key_index: List[int], modes: List[int], what: List[str]) -> torch.Tensor:
     """[B, sum of dims] float32: a collection's lookups in one call, as FBGEMM's TBE
-    forward makes them. A batch laid out as a KeyedJaggedTensor's (values, offsets of K
-    keys x B bags + 1, per_sample_weights like values or None); job j (table j's
+    forward makes them. A batch laid out as a KeyedJaggedTensor's (values, offsets of
+    num_keys x batch_size bags + 1, per_sample_weights like values or None); job j (table j's
     tensors, metas[4j:4j + 4], dtypes[j]: 0 float32, 1 float16, 2 bfloat16, as
     ibp_embed.dtypes.LOOKUP_DTYPES codes them) pools key key_index[j] with modes[j] (0 SUM,
     1 MEAN) into columns [D_0 + .. + D_{j-1}, + D_j); what[j] names the job in errors.
@@ -283,6 +346,10 @@ def pooled_lookup_many(masks: List[torch.Tensor], bitvals: List[torch.Tensor], b
     who = "pooled_lookup_many"
     if batch_size < 0 or values.dim() != 1 or offsets.dim() != 1:
         raise ValueError(f"{who}: values and offsets must be 1-D and batch_size >= 0")
+    if offsets.numel() != num_keys * batch_size + 1:  # (a KJT of a batch size per key: VBE)
+        raise ValueError(f"{who}: offsets have {offsets.numel()} entries, expected {num_keys} keys x batch "
+                         f"{batch_size} + 1 = {num_keys * batch_size + 1} (variable batch sizes per key are "
+                         f"not supported)")
     if per_sample_weights is not None and per_sample_weights.shape != values.shape:
         raise ValueError(f"{who}: per_sample_weights of shape {tuple(per_sample_weights.shape)} for values of "
                          f"shape {tuple(values.shape)}")
@@ -293,22 +360,19 @@ def pooled_lookup_many(masks: List[torch.Tensor], bitvals: List[torch.Tensor], b
     return packed(vals, off, w, batch_size, what.__getitem__, tables.__getitem__)
 
 
-# The tables and PackedJobs of each collection's call (its tensors, metas, dtypes, keys and
-# modes), so that a call checks only the tensors' version counters (an entry goes when one
-# of its tensors dies, so its ids name live tensors, the same objects): building them took
-# 90 of a B1 call's 150 us into the 26 Criteo tables.
-_JOBS: "OrderedDict[tuple, tuple]" = OrderedDict()
-_VERSION = operator.attrgetter("_version")
-_JOBS_MAX = 64
+# The tables and PackedJobs of each collection's call (its tensors, metas, dtypes, keys
+# and modes; _TensorCache): building them took 90 of a B1 call's 150 us into the 26
+# Criteo tables.
+_JOBS = _TensorCache(64)
 
 
 def _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, key_index, modes, what):
     lists = (masks, bitvals, block_base, rel, payload, metas, dtypes, key_index, modes)
     tensors = (*masks, *bitvals, *block_base, *rel, *payload)
     key = (*map(len, lists), *map(id, tensors), *metas, *dtypes, *key_index, *modes)
-    entry = _JOBS.get(key)
-    if entry is not None and entry[2] == tuple(map(_VERSION, tensors)):  # (map: 8 us for 130 tensors, not 12)
-        return entry[0], entry[1]
+    entry = _JOBS.get(key, tensors)
+    if entry is not None:
+        return entry
     n = len(masks)
     if not len(bitvals) == len(block_base) == len(rel) == len(payload) == len(dtypes) == len(key_index) == \
             len(modes) == len(what) == n or len(metas) != 4 * n:
@@ -323,19 +387,7 @@ def _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, ke
             raise ValueError(f"{what[j]}: mode must be 0 (sum) or 1 (mean), not {modes[j]}")
         tables.append(_table_of(masks[j], bitvals[j], block_base[j], rel[j], payload[j], metas[4 * j:4 * j + 4],
                                 _DTYPE_OF_CODE[dtypes[j]], what[j]))
-    packed = PackedJobs(tables, [("sum", "mean")[m] for m in modes], key_index)
-    token = object()
-
-    def forget(_):
-        got = _JOBS.get(key)
-        if got is not None and got[3] is token:
-            _JOBS.pop(key, None)
-
-    refs = tuple(weakref.ref(t, forget) for t in {id(t): t for t in tensors}.values())
-    _JOBS[key] = (tables, packed, tuple(map(_VERSION, tensors)), token, refs)
-    if len(_JOBS) > _JOBS_MAX:
-        _JOBS.popitem(last=False)
-    return tables, packed
+    return _JOBS.put(key, tensors, (tables, PackedJobs(tables, [("sum", "mean")[m] for m in modes], key_index)))
 
 
 _LIB.impl("pooled_lookup_many", pooled_lookup_many, "CPU")
@@ -343,7 +395,7 @@ _LIB.impl("pooled_lookup_many", pooled_lookup_many, "CPU")
 
 @torch.library.register_fake("ibp::pooled_lookup_many")
 def _pooled_lookup_many_fake(masks, bitvals, block_base, rel, payload, metas, dtypes, values, offsets,
-                             per_sample_weights, batch_size, key_index, modes, what):
+                             per_sample_weights, batch_size, num_keys, key_index, modes, what):
     return values.new_empty((batch_size, sum(metas[1::4])), dtype=torch.float32)
 
 
@@ -353,7 +405,7 @@ class _PooledLookupManyWithWeightsGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        masks, bitvals, block_base, rel, payload, metas, dtypes, values, offsets, weights, b, key_index, modes, \
+        masks, bitvals, block_base, rel, payload, metas, dtypes, values, offsets, weights, b, _, key_index, modes, \
             what = inputs
         ctx.save_for_backward(values, offsets, *masks, *bitvals, *block_base, *rel, *payload)
         ctx.args = (metas, dtypes, b, key_index, modes, what, weights.dtype)
@@ -376,7 +428,7 @@ class _PooledLookupManyWithWeightsGrad(torch.autograd.Function):
             grad_weights[lo:hi] += _weights_grad(rows, grad[:, col:col + d], off[k * b:(k + 1) * b + 1] - lo,
                                                  modes[j])
             col += d
-        return (None,) * 9 + (grad_weights.to(weights_dtype),) + (None,) * 4
+        return (None,) * 9 + (grad_weights.to(weights_dtype),) + (None,) * 5
 
 
 def _pooled_lookup_many_autograd(*inputs):
@@ -384,8 +436,7 @@ def _pooled_lookup_many_autograd(*inputs):
     weights = inputs[9]
     if weights is not None and weights.requires_grad and torch.is_grad_enabled():
         return _PooledLookupManyWithWeightsGrad.apply(*inputs)
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.ibp.pooled_lookup_many.default(*inputs)
+    return _below_autograd(torch.ops.ibp.pooled_lookup_many.default, pooled_lookup_many, inputs)
 
 
 _LIB.impl("pooled_lookup_many", _pooled_lookup_many_autograd, "Autograd")

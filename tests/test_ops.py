@@ -48,8 +48,32 @@ def test_tensors_written_in_place_are_read_again():
     assert torch.equal(torch.ops.ibp.pooled_lookup(*tensors, meta, torch.float32, ids, off, None, 0, "t"),
                        b.lookup(ids, off))
     many = torch.ops.ibp.pooled_lookup_many(*[[x] for x in tensors], meta, [0], ids, off, None, 2,
-                                            [0], [0], ["t"])
+                                            1, [0], [0], ["t"])
     assert torch.equal(many, b.lookup(ids, off))
+
+
+def test_tensors_moved_to_other_memory_or_made_in_inference_mode():
+    """share_memory_ (as model.share_memory() or a torch.multiprocessing queue does) moves
+    a tensor's memory and keeps its object and version: the operators must read the new
+    memory. Tensors made under inference_mode keep no version counter."""
+    t = ibp_embed.compress(torch.randn(3000, 16))
+    ids, off = torch.tensor([1, 2, 2999]), torch.tensor([0, 1, 3])
+    want = t.lookup(ids, off)
+    tensors, meta = tensors_of(t)
+    for _ in range(2):
+        assert torch.equal(torch.ops.ibp.pooled_lookup(*tensors, meta, torch.float32, ids, off, None, 0, "t"), want)
+        assert torch.equal(torch.ops.ibp.pooled_lookup_many(*[[x] for x in tensors], meta, [0], ids, off, None, 2,
+                                                            1, [0], [0], ["t"]), want)
+        for x in tensors:
+            x.share_memory_()
+    with torch.inference_mode():
+        frozen, _ = tensors_of(t)
+    assert torch.equal(torch.ops.ibp.pooled_lookup(*frozen, meta, torch.float32, ids, off, None, 0, "t"), want)
+    assert torch.equal(torch.ops.ibp.pooled_lookup_many(*[[x] for x in frozen], meta, [0], ids, off, None, 2, 1,
+                                                        [0], [0], ["t"]), want)
+    w = torch.rand(3)
+    assert torch.equal(torch.ops.ibp.pooled_lookup(*tensors, meta, torch.float32, ids, off, torch._neg_view(w), 0,
+                                                   "t"), t.lookup(ids, off, -w))  # a negative-bit view
 
 
 def test_operators_keep_no_table_alive():
@@ -59,9 +83,10 @@ def test_operators_keep_no_table_alive():
     tensors, meta = tensors_of(t)
     ids, off = torch.tensor([1, 2, 2999]), torch.tensor([0, 1, 3])
     torch.ops.ibp.pooled_lookup(*tensors, meta, torch.float32, ids, off, None, 0, "t")
-    torch.ops.ibp.pooled_lookup_many(*[[x] for x in tensors], meta, [0], ids, off, None, 2, [0], [0],
+    torch.ops.ibp.pooled_lookup_many(*[[x] for x in tensors], meta, [0], ids, off, None, 2, 1, [0], [0],
                                      ["t"])
     refs = [weakref.ref(x) for x in tensors]
+    gc.collect()  # earlier tests' garbage first: then only these tensors' entries may go
     kept = len(ops._TABLES), len(ops._JOBS)
     del tensors
     gc.collect()
@@ -92,7 +117,7 @@ def test_per_sample_weights_get_their_gradient(dtype):
         kjt_ids, kjt_off = torch.cat([ids, ids[:2]]), torch.cat([off, torch.tensor([9, 10, 10])])
         w_all = torch.cat([w2, torch.ones(2)])
         many = torch.ops.ibp.pooled_lookup_many(*[[x, x, x] for x in tensors], meta * 3, [LOOKUP_DTYPES[dtype]] * 3, kjt_ids,
-                                                kjt_off, w_all, 3, [0, 1, 0], [mode, mode, mode], ["a", "b", "c"])
+                                                kjt_off, w_all, 3, 2, [0, 1, 0], [mode, mode, mode], ["a", "b", "c"])
         many[:, :12].backward(g, retain_graph=True)
         many[:, 24:].backward(g)
         torch.testing.assert_close(w2.grad, 2 * want_w.grad)
@@ -111,28 +136,29 @@ def test_pooled_lookup_many_matches_lookup_many_and_checks_its_inputs():
     # job j pools key [0, 2, 1][j] from table j
     want = ibp_embed.lookup_many(ts, [ids[0:3], ids[6:9], ids[3:6]], [off[0:3], off[4:7] - 6, off[2:5] - 3])
     call = lambda *over: torch.ops.ibp.pooled_lookup_many(  # noqa: E731
-        *args, metas, [0] * 3, *over, [0, 2, 1], [0, 0, 0], ["a", "b", "c"])
+        *args, metas, [0] * 3, *over, 3, [0, 2, 1], [0, 0, 0], ["a", "b", "c"])
     assert torch.equal(call(ids, off, None, 2), want)
     torch.library.opcheck(torch.ops.ibp.pooled_lookup_many.default,
-                          (*args, metas, [0] * 3, ids, off, None, 2, [0, 2, 1], [0, 0, 0], ["a", "b", "c"]))
+                          (*args, metas, [0] * 3, ids, off, None, 2, 3, [0, 2, 1], [0, 0, 0],
+                           ["a", "b", "c"]))
     with pytest.raises(IndexError, match="b: .*999 out of range"):  # job 1 (table 1, 50 rows) pools key 1
-        torch.ops.ibp.pooled_lookup_many(*args, metas, [0] * 3, ids, off, None, 2, [0, 1, 2],
+        torch.ops.ibp.pooled_lookup_many(*args, metas, [0] * 3, ids, off, None, 2, 3, [0, 1, 2],
                                          [0, 0, 0], ["a", "b", "c"])
     with pytest.raises(ValueError, match="offsets must run from 0 to len"):
         call(ids, torch.tensor([0, 1, 3, 3, 6, 8, 8]), None, 2)
     with pytest.raises(ValueError, match="offsets must run from 0 to len"):
         call(ids, torch.tensor([0, 4, 3, 3, 6, 8, 9]), None, 2)
-    with pytest.raises(ValueError, match="do not hold the 3 bags"):
+    with pytest.raises(ValueError, match=r"offsets have 7 entries, expected 3 keys x batch 3 \+ 1 = 10"):
         call(ids, off, None, 3)
     with pytest.raises(TypeError, match="ids must be integers"):
         call(ids.float(), off, None, 2)
     with pytest.raises(ValueError, match=r"per_sample_weights of shape \(1, 9\) for values of shape \(9,\)"):
         call(ids, off, torch.ones(1, 9), 2)
     with pytest.raises(ValueError, match="3 jobs need as many"):
-        torch.ops.ibp.pooled_lookup_many(*args, metas[:8], [0] * 3, ids, off, None, 2, [0, 2, 1],
+        torch.ops.ibp.pooled_lookup_many(*args, metas[:8], [0] * 3, ids, off, None, 2, 3, [0, 2, 1],
                                          [0, 0, 0], ["a", "b", "c"])
     with pytest.raises(ValueError, match="b: the table tensors do not fit"):
         bad = [list(a) for a in args]
         bad[4][1] = bad[4][1][:10]
-        torch.ops.ibp.pooled_lookup_many(*bad, metas, [0] * 3, ids, off, None, 2, [0, 2, 1],
+        torch.ops.ibp.pooled_lookup_many(*bad, metas, [0] * 3, ids, off, None, 2, 3, [0, 2, 1],
                                          [0, 0, 0], ["a", "b", "c"])

@@ -210,7 +210,8 @@ def test_captured_collections_run_one_operator_that_follows_the_input_keys():
     features = weighted_kjt(["f0", "f1", "shared", "f2"], 0)
     ep = torch.export.export(ibp, (features,), strict=False)
     compiled = torch.compile(ibp, fullgraph=True)
-    for keys in (["f0", "f1", "shared", "f2"], ["f2", "extra", "shared", "f1", "f0"]):
+    for keys in (["f0", "f1", "shared", "f2"], ["f2", "extra", "shared", "f1", "f0"],
+                 ["f0", "f1", "shared", "f2", "f0"]):  # a repeated key: its last copy, as eager
         x = weighted_kjt(keys, 1)
         want = ibp(x)
         for m in (gm, script, compiled):

@@ -227,6 +227,7 @@ class IBPEmbeddingBag(nn.Module):
     def __setstate__(self, state):
         packed = state.pop("_packed", None)
         self.__dict__.update(state)
+        self.__dict__.setdefault("dtype_code", LOOKUP_DTYPES.get(self.dtype, -1))  # pickled by an earlier version
         self._table = None
         if packed is not None:
             self._table = UpdatableTable(table_from_tensors(packed, packed["meta"], self.dtype),

@@ -59,15 +59,26 @@ from .lookup import (
 from .embedding_bag import DEFAULT_REPACK_DRIFT, IBPEmbeddingBag
 
 @torch.fx.wrap
-def key_positions(keys: List[str], features: List[str]) -> List[int]:
-    """The position in `keys` of each of `features` (one node in an fx graph: computed
-    from each call's keys)."""
+def key_positions(keys: List[str], features: List[str], distinct: bool) -> List[int]:
+    """The position in `keys` of each of `features` (the last, where a key repeats, as
+    KeyedJaggedTensor.to_dict reads it); `distinct`: no feature is listed twice. One node
+    in an fx graph, computed from each call's keys."""
+    if distinct and keys == features:  # the usual input: 1 us, not 13 (scripted, 26 features)
+        return list(range(len(features)))
+    last: Dict[str, int] = {}
+    for i, k in enumerate(keys):
+        last[k] = i
     positions: List[int] = []
     for f in features:
-        if f not in keys:
+        if f not in last:
             raise KeyError("IBPEmbeddingBagCollection: input lacks feature '" + f + "'")
-        positions.append(keys.index(f))
+        positions.append(last[f])
     return positions
+
+
+@torch.fx.wrap
+def key_count(keys: List[str]) -> int:
+    return len(keys)
 
 
 __all__ = [
@@ -174,15 +185,27 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             e for names_ in get_embedding_names_by_table(tables) for e in names_]
         self._lengths_per_embedding: List[int] = [
             c.embedding_dim for c in tables for _ in c.feature_names]
-        self._slot_features: List[str] = [f for names_ in self._feature_names for f in names_]
-        self._slot_what: List[str] = [f"IBPEmbeddingBagCollection: feature {f!r} of table {c.name!r}"
-                                      for c in tables for f in c.feature_names]
+        self._init_slots()
         self._needed_list = list(dict.fromkeys(f for names_ in self._feature_names for f in names_))
         self._needed = set(self._needed_list)
         if _tables is None and self._device.type != "meta":
             self.reset_parameters()
         elif _tables is not None and self._device.type == "meta":
             self._device = torch.device("cpu")
+
+    def _init_slots(self) -> None:
+        """What the captured forward passes pooled_lookup_many for its slots (one a
+        feature of a table)."""
+        self._slot_features: List[str] = [f for names_ in self._feature_names for f in names_]
+        self._distinct_slot_features = len(set(self._slot_features)) == len(self._slot_features)
+        self._slot_what: List[str] = [f"IBPEmbeddingBagCollection: feature {f!r} of table {c.name!r}"
+                                      for c, names_ in zip(self._embedding_bag_configs, self._feature_names)
+                                      for f in names_]
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "_slot_features" not in self.__dict__:  # pickled by an earlier version
+            self._init_slots()
 
     # ---- construction from other forms ----
     @classmethod
@@ -390,8 +413,9 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 return self._forward_eager(features)
         if not torch.jit.is_scripting() and self._device.type == "cuda":
             return self._forward_on_cuda(features)
-        # Traced, compiled or scripted: the whole collection in one operator (as TorchRec
-        # runs one TBE op), which fx, torch.compile, export and TorchScript see as a node.
+        # Traced, compiled or scripted on the CPU: the whole collection in one operator (as
+        # TorchRec's fused and inference EBCs run one TBE op), which fx, torch.compile,
+        # export and TorchScript see as a node.
         masks: List[torch.Tensor] = []
         bitvals: List[torch.Tensor] = []
         block_base: List[torch.Tensor] = []
@@ -419,7 +443,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             weights = features.weights()
         pooled = torch.ops.ibp.pooled_lookup_many(
             masks, bitvals, block_base, rel, payload, metas, dtypes, values, features.offsets(), weights,
-            features.stride(), key_positions(features.keys(), self._slot_features), modes, self._slot_what)
+            features.stride(), key_count(features.keys()),
+            key_positions(features.keys(), self._slot_features, self._distinct_slot_features), modes, self._slot_what)
         return KeyedTensor(keys=self._embedding_names, values=pooled, length_per_key=self._lengths_per_embedding)
 
     @torch.jit.unused
