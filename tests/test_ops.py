@@ -116,8 +116,8 @@ def test_per_sample_weights_get_their_gradient(dtype):
         w2 = want_w.detach().clone().requires_grad_()  # two jobs reading key 0, one key 1
         kjt_ids, kjt_off = torch.cat([ids, ids[:2]]), torch.cat([off, torch.tensor([9, 10, 10])])
         w_all = torch.cat([w2, torch.ones(2)])
-        many = torch.ops.ibp.pooled_lookup_many(*[[x, x, x] for x in tensors], meta * 3, [LOOKUP_DTYPES[dtype]] * 3, kjt_ids,
-                                                kjt_off, w_all, 3, 2, [0, 1, 0], [mode, mode, mode], ["a", "b", "c"])
+        many = torch.ops.ibp.pooled_lookup_many(*[[x, x, x] for x in tensors], meta * 3, [LOOKUP_DTYPES[dtype]] * 3,
+                                                kjt_ids, kjt_off, w_all, 3, 2, [0, 1, 0], [mode] * 3, ["a", "b", "c"])
         many[:, :12].backward(g, retain_graph=True)
         many[:, 24:].backward(g)
         torch.testing.assert_close(w2.grad, 2 * want_w.grad)

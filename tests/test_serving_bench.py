@@ -22,6 +22,7 @@ def test_each_batch_is_timed_and_checked(tmp_path, dtype):
         assert r["tbe_us"] > 0 and r["many_speed"] == r["tbe_us"] / r["many_us"]
         assert r["many_lists_speed"] == r["tbe_lists_us"] / r["many_lists_us"]
         assert r["captured_speed"] == r["quant_captured_us"] / r["ibp_captured_us"]
+        assert r["quant_speed"] == r["quant_us"] / r["ibp_with_quant_us"]
     saved = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
     assert saved["runs"] == json.loads(json.dumps(got["runs"]))
 
