@@ -15,9 +15,10 @@ its unsigned 16/32/64-bit dtypes. Modules keep these tensors as buffers.
 
 The operators trust the table's structure (tables from ``compress``, ``load`` or
 ``table_from_tensors`` are validated once). The table tensors' shapes and sizes are
-checked against meta when the operators first meet them (and again after any change of
-their memory or version: _TensorCache); the inputs of every call are checked: offsets,
-id ranges, weights. Bad inputs raise IndexError / ValueError naming ``what`` (the
+checked against meta when the operators first meet them, and again after a change of
+their memory or version counter (_TensorCache); the table tensors must not be written
+in place otherwise (the module's buffers never are). The inputs of every call are
+checked: offsets, id ranges, weights. Bad inputs raise IndexError / ValueError naming ``what`` (the
 feature and table).
 """
 from __future__ import annotations
@@ -83,8 +84,9 @@ _DATA_PTR = torch.Tensor.data_ptr
 def _states(tensors: tuple) -> tuple:
     """What a value built from these tensors depends on beyond their identity: their
     memory (share_memory_, ``.data =`` and swap_tensors move it, keeping the object and
-    its version) and version counters (an in-place write such as copy_ bumps them;
-    inference tensors keep none: -1, and are read as they were when first seen)."""
+    its version) and version counters (an in-place write such as copy_ bumps them).
+    Inference tensors keep no counter (-1): they are trusted not to be written in place,
+    as are writes that bypass the counter (through NumPy, ``.data`` or the storage)."""
     try:
         versions = tuple(map(_VERSION, tensors))  # (map: 8 us for 130 tensors, a generator 12)
     except RuntimeError:
@@ -93,13 +95,12 @@ def _states(tensors: tuple) -> tuple:
 
 
 class _TensorCache:
-    """Values built from sets of tensors, kept while the tensors live, unchanged. Keyed on
-    the tensors' ids (with the caller's other arguments): an entry goes when one of its
+    """Values built from sets of tensors, kept while the tensors live. Keyed on the
+    tensors' ids (with the caller's other arguments): an entry goes when one of its
     tensors dies (a weak reference's callback), so an entry's ids name live tensors, the
     same objects, and it serves only while their _states are those it was built on. It
     holds no reference to the tensors (a dropped model's tables are freed); the least
-    recently used entries go past max_entries. Writes through a NumPy view of a tensor
-    bypass its version counter: the table tensors are never written so."""
+    recently used entries go past max_entries."""
 
     def __init__(self, max_entries: int):
         self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
@@ -108,9 +109,9 @@ class _TensorCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: tuple, tensors: tuple):
+    def get(self, key: tuple, states: tuple):
         entry = self._entries.get(key)
-        if entry is None or entry[1] != _states(tensors):
+        if entry is None or entry[1] != states:
             return None
         try:
             self._entries.move_to_end(key)
@@ -118,7 +119,8 @@ class _TensorCache:
             pass
         return entry[0]
 
-    def put(self, key: tuple, tensors: tuple, value):
+    def put(self, key: tuple, tensors: tuple, states: tuple, value):
+        """Keep value, built from tensors whose _states were `states` before it was built."""
         token = object()
 
         def forget(_):  # unless replaced meanwhile
@@ -127,7 +129,7 @@ class _TensorCache:
                 self._entries.pop(key, None)
 
         refs = tuple(weakref.ref(t, forget) for t in {id(t): t for t in tensors}.values())
-        self._entries[key] = (value, _states(tensors), token, refs)
+        self._entries[key] = (value, states, token, refs)
         while len(self._entries) > self._max:
             try:
                 self._entries.popitem(last=False)
@@ -157,7 +159,8 @@ def _table_of(masks, bitvals, block_base, rel, payload, meta, dtype: torch.dtype
     """The CompressedTable over these tensors (cached, see above)."""
     tensors = (masks, bitvals, block_base, rel, payload)
     key = (*map(id, tensors), *meta, dtype)
-    table = _TABLES.get(key, tensors)
+    states = _states(tensors)
+    table = _TABLES.get(key, states)
     if table is not None:
         return table
     _check_table(masks, bitvals, block_base, rel, payload, meta, meta[1] * dtype.itemsize, what)
@@ -165,7 +168,7 @@ def _table_of(masks, bitvals, block_base, rel, payload, meta, dtype: torch.dtype
     table = CompressedTable(shape=(n, d), dtype=dtype, word_bits=w, masks=_unowned(masks),
                             bitvals=_unowned(bitvals), block_base=_unowned(block_base), rel=_unowned(rel),
                             payload=_unowned(payload), payload_bytes=payload_bytes, validate=False)
-    return _TABLES.put(key, tensors, table)
+    return _TABLES.put(key, tensors, states, table)
 
 
 def _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int, what: str) -> None:
@@ -320,11 +323,17 @@ def _below_autograd(op, kernel, inputs):
     (the one fallback a plain tensor can still need); C++ functionalization or vmap
     wrappers reach here as plain tensors and have no memory the kernels could read."""
     ids, offsets, weights = inputs[7], inputs[8], inputs[9]
-    if type(ids) is torch.Tensor and type(offsets) is torch.Tensor and ids.device.type == "cpu" and \
-            (weights is None or type(weights) is torch.Tensor) and torch._C._len_torch_dispatch_stack() == 0:
+    if _plain(ids) and _plain(offsets) and ids.device.type == "cpu" and (weights is None or _plain(weights)) \
+            and torch._C._len_torch_dispatch_stack() == 0:
         return kernel(*inputs)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*inputs)
+
+
+def _plain(x: torch.Tensor) -> bool:
+    """A tensor of torch's own with memory to read (an efficient zero tensor has none:
+    the dispatcher materialises it)."""
+    return type(x) is torch.Tensor and not x._is_zerotensor()
 
 
 _LIB.impl("pooled_lookup", _pooled_lookup_autograd, "Autograd")
@@ -370,7 +379,8 @@ def _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, ke
     lists = (masks, bitvals, block_base, rel, payload, metas, dtypes, key_index, modes)
     tensors = (*masks, *bitvals, *block_base, *rel, *payload)
     key = (*map(len, lists), *map(id, tensors), *metas, *dtypes, *key_index, *modes)
-    entry = _JOBS.get(key, tensors)
+    states = _states(tensors)
+    entry = _JOBS.get(key, states)
     if entry is not None:
         return entry
     n = len(masks)
@@ -387,7 +397,8 @@ def _collection_jobs(masks, bitvals, block_base, rel, payload, metas, dtypes, ke
             raise ValueError(f"{what[j]}: mode must be 0 (sum) or 1 (mean), not {modes[j]}")
         tables.append(_table_of(masks[j], bitvals[j], block_base[j], rel[j], payload[j], metas[4 * j:4 * j + 4],
                                 _DTYPE_OF_CODE[dtypes[j]], what[j]))
-    return _JOBS.put(key, tensors, (tables, PackedJobs(tables, [("sum", "mean")[m] for m in modes], key_index)))
+    return _JOBS.put(key, tensors, states,
+                     (tables, PackedJobs(tables, [("sum", "mean")[m] for m in modes], key_index)))
 
 
 _LIB.impl("pooled_lookup_many", pooled_lookup_many, "CPU")

@@ -74,6 +74,9 @@ def test_tensors_moved_to_other_memory_or_made_in_inference_mode():
     w = torch.rand(3)
     assert torch.equal(torch.ops.ibp.pooled_lookup(*tensors, meta, torch.float32, ids, off, torch._neg_view(w), 0,
                                                    "t"), t.lookup(ids, off, -w))  # a negative-bit view
+    zeros = torch._efficientzerotensor(3)  # no memory: the dispatcher materialises it
+    assert torch.equal(torch.ops.ibp.pooled_lookup(*tensors, meta, torch.float32, ids, off, zeros, 0, "t"),
+                       torch.zeros(2, 16))
 
 
 def test_operators_keep_no_table_alive():

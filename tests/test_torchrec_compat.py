@@ -2,6 +2,7 @@
 fx / compile / export / script on a DLRM, copies, pickling, the meta device, .weight."""
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -244,3 +245,26 @@ def test_per_sample_weights_get_their_gradient_as_in_torchrec():
         assert out.requires_grad
         out.backward(g)
         torch.testing.assert_close(x.weights().grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_that_lose_their_gradient_say_so():
+    """Paths that give per-sample weights no gradient (trainable tables, the sharded
+    kernel, tables on cuda) warn instead of dropping it silently."""
+    ebc, _ = weighted_pair()
+    trainable = IBPEmbeddingBagCollection.from_embedding_bag_collection(ebc, optimizer=RowWiseAdagrad(0.1))
+    x = weighted_kjt(["f0", "f1", "shared", "f2"], 5, requires_grad=True)
+    with pytest.warns(UserWarning, match="weights require grad, but this lookup .* gives them no gradient"):
+        trainable(x)
+    with torch.no_grad(), warnings.catch_warnings():  # no gradient asked for: no warning
+        warnings.filterwarnings("error", message=".*gives them no gradient")
+        trainable(x)
+
+
+def test_a_collection_pickled_before_the_one_operator_still_captures(pair):
+    """Collections pickled by earlier versions lack the slot lists the captured forward
+    passes: unpickling makes them."""
+    _, ibp = pair
+    for missing in (("_slot_features", "_distinct_slot_features", "_slot_what"), ("_distinct_slot_features",)):
+        old = IBPEmbeddingBagCollection.__new__(IBPEmbeddingBagCollection)
+        old.__setstate__({k: v for k, v in ibp.__dict__.items() if k not in missing})
+        same(torch.jit.script(old)(kjt(6)), ibp(kjt(6)))

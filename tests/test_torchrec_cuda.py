@@ -463,3 +463,12 @@ def test_gpu_kernel_matches_cpu():
                 out = dev(kjt.to(torch.device("cuda")))
                 assert out.device.type == "cuda"
                 close(out.cpu(), cpu(kjt))
+
+
+def test_weights_that_require_grad_get_a_warning_on_cuda(emulated):
+    """A collection on cuda gives per-sample weights no gradient: it says so."""
+    _, dev = cpu_and_cuda(configs(), weighted=True)
+    x = batch(8, weighted=True)
+    x.weights().requires_grad_()
+    with pytest.warns(UserWarning, match="weights require grad, but this lookup .* gives them no gradient"):
+        dev(x)

@@ -104,6 +104,17 @@ def check_kjt(kjt: KeyedJaggedTensor, weighted: bool, who: str) -> None:
     if not weighted and weights is not None:
         raise ValueError(f"{who} is unweighted (is_weighted=False) but the KeyedJaggedTensor carries "
                          f"weights; build the module with is_weighted=True or drop the weights")
+    warn_if_weights_need_grad(weights, who)
+
+
+def warn_if_weights_need_grad(weights: Optional[torch.Tensor], who: str) -> None:
+    """Per-sample weights that require grad get none from the lookups that detach them
+    (trainable tables, the sharded kernel, tables on cuda): say so rather than drop it
+    silently. (An IBPEmbeddingBagCollection for inference on the CPU sends such weights
+    to its operator, which gives them their gradient.)"""
+    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+        warnings.warn(f"{who}: the KeyedJaggedTensor's weights require grad, but this lookup (trainable tables, "
+                      f"a sharded kernel or tables on cuda) gives them no gradient", stacklevel=4)
 
 
 def _kjt_parts(kjt: KeyedJaggedTensor, n_keys: int, weighted: bool, who: str):

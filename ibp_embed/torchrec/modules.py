@@ -55,8 +55,10 @@ from .lookup import (
     table_dtype,
     training_lookup,
     warn_if_dedup,
+    warn_if_weights_need_grad,
 )
 from .embedding_bag import DEFAULT_REPACK_DRIFT, IBPEmbeddingBag
+
 
 @torch.fx.wrap
 def key_positions(keys: List[str], features: List[str], distinct: bool) -> List[int]:
@@ -204,7 +206,7 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if "_slot_features" not in self.__dict__:  # pickled by an earlier version
+        if "_distinct_slot_features" not in self.__dict__:  # pickled by an earlier version
             self._init_slots()
 
     # ---- construction from other forms ----
@@ -457,6 +459,8 @@ class IBPEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     @torch.jit.unused
     def _forward_on_cuda(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Inference on cuda: each feature's DeviceTable (the CUDA library), eagerly."""
+        warn_if_weights_need_grad(features.weights_or_none() if self._is_weighted else None,
+                                  "IBPEmbeddingBagCollection")
         feature_dict = features.to_dict()
         pooled: List[torch.Tensor] = []
         for i, bag in enumerate(self.embedding_bags.values()):
