@@ -163,7 +163,7 @@ def _table_of(masks, bitvals, block_base, rel, payload, meta, dtype: torch.dtype
     table = _TABLES.get(key, states)
     if table is not None:
         return table
-    _check_table(masks, bitvals, block_base, rel, payload, meta, meta[1] * dtype.itemsize, what)
+    _check_table(masks, bitvals, block_base, rel, payload, meta, dtype, what)
     n, d, w, payload_bytes = meta
     table = CompressedTable(shape=(n, d), dtype=dtype, word_bits=w, masks=_unowned(masks),
                             bitvals=_unowned(bitvals), block_base=_unowned(block_base), rel=_unowned(rel),
@@ -171,13 +171,14 @@ def _table_of(masks, bitvals, block_base, rel, payload, meta, dtype: torch.dtype
     return _TABLES.put(key, tensors, states, table)
 
 
-def _check_table(masks, bitvals, block_base, rel, payload, meta, row_bytes: int, what: str) -> None:
+def _check_table(masks, bitvals, block_base, rel, payload, meta, dtype: torch.dtype, what: str) -> None:
     """O(1) checks that the tensors have the sizes the table's description needs."""
     if len(meta) != 4:
         raise ValueError(f"{what}: meta must be [rows, dim, word_bits, payload_bytes], got {meta}")
     n, d, w, payload_bytes = meta
-    if w not in (16, 32, 64) or n < 0 or d < 1:
+    if w not in (16, 32, 64) or n < 0 or d < 1 or payload_bytes < 0:
         raise ValueError(f"{what}: bad table description {meta}")
+    row_bytes = d * dtype.itemsize
     m = -(-row_bytes // (w // 8))
     raw = masks.dim() == 2 and masks.shape[0] == 0  # rows at i * R, no index, no tail pad
     index = ((0,), (0,)) if raw else ((n // 64 + 1,), (n + 1,))
@@ -305,21 +306,28 @@ def _weights_grad(rows: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor,
     return (g * rows.to(torch.float32)).sum(1)
 
 
-def _pooled_lookup_autograd(*inputs):
-    """The Autograd kernel: a graph node only where the weights need a gradient. (A
-    kernel of our own: torch.library.register_autograd's Python wrappers cost ~15 us a
-    call, as much as a small lookup.)"""
-    weights = inputs[9]
-    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
-        return _PooledLookupWithWeightsGrad.apply(*inputs)
-    return _below_autograd(torch.ops.ibp.pooled_lookup.default, pooled_lookup, inputs)
+def _autograd_kernel(name: str, kernel, with_weights_grad):
+    """The Autograd kernel of pooled lookup `name` (whose weights are input 9): a graph
+    node (with_weights_grad) only where the weights need a gradient. (A kernel of our
+    own: torch.library.register_autograd's Python wrappers cost ~15 us a call, as much as
+    a small lookup.)"""
+    op = getattr(torch.ops.ibp, name).default
+
+    def autograd_kernel(*inputs):
+        weights = inputs[9]
+        if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+            return with_weights_grad.apply(*inputs)
+        return _below_autograd(op, kernel, inputs)
+
+    return autograd_kernel
 
 
 def _below_autograd(op, kernel, inputs):
     """op's CPU kernel, from its Autograd kernel: called straight where the dispatcher
     would only reach it (ids, offsets and weights plain CPU tensors, no dispatch mode:
-    not traced, compiled, exported, faked or checked), as its second trip costs ~25 us a
-    call; else through the dispatcher. The kernels resolve negative-bit views themselves
+    not traced, compiled, exported, faked or checked), as its second trip costs ~5 us a
+    call of one table and ~22 of the 26 Criteo tables' collection (with its 130 table
+    tensors); else through the dispatcher. The kernels resolve negative-bit views themselves
     (the one fallback a plain tensor can still need); C++ functionalization or vmap
     wrappers reach here as plain tensors and have no memory the kernels could read."""
     ids, offsets, weights = inputs[7], inputs[8], inputs[9]
@@ -336,7 +344,8 @@ def _plain(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and not x._is_zerotensor()
 
 
-_LIB.impl("pooled_lookup", _pooled_lookup_autograd, "Autograd")
+_LIB.impl("pooled_lookup", _autograd_kernel("pooled_lookup", pooled_lookup, _PooledLookupWithWeightsGrad),
+          "Autograd")
 
 
 def pooled_lookup_many(masks: List[torch.Tensor], bitvals: List[torch.Tensor], block_base: List[torch.Tensor],
@@ -442,15 +451,8 @@ class _PooledLookupManyWithWeightsGrad(torch.autograd.Function):
         return (None,) * 9 + (grad_weights.to(weights_dtype),) + (None,) * 5
 
 
-def _pooled_lookup_many_autograd(*inputs):
-    """The Autograd kernel (see _pooled_lookup_autograd)."""
-    weights = inputs[9]
-    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
-        return _PooledLookupManyWithWeightsGrad.apply(*inputs)
-    return _below_autograd(torch.ops.ibp.pooled_lookup_many.default, pooled_lookup_many, inputs)
-
-
-_LIB.impl("pooled_lookup_many", _pooled_lookup_many_autograd, "Autograd")
+_LIB.impl("pooled_lookup_many", _autograd_kernel("pooled_lookup_many", pooled_lookup_many,
+                                                  _PooledLookupManyWithWeightsGrad), "Autograd")
 
 
 def gather(masks: torch.Tensor, bitvals: torch.Tensor, block_base: torch.Tensor, rel: torch.Tensor,

@@ -165,3 +165,15 @@ def test_pooled_lookup_many_matches_lookup_many_and_checks_its_inputs():
         bad[4][1] = bad[4][1][:10]
         torch.ops.ibp.pooled_lookup_many(*bad, metas, [0] * 3, ids, off, None, 2, 3, [0, 2, 1],
                                          [0, 0, 0], ["a", "b", "c"])
+
+
+def test_a_table_description_of_the_wrong_form_is_refused():
+    t = ibp_embed.compress(torch.randn(100, 8))
+    tensors, meta = tensors_of(t)
+    ids, off = torch.tensor([1, 2]), torch.tensor([0, 2])
+    for bad, match in (([100], "meta must be"), (meta[:3] + [-1], "bad table description"),
+                       (meta[:2] + [8] + meta[3:], "bad table description")):
+        with pytest.raises(ValueError, match=match):
+            torch.ops.ibp.pooled_lookup(*tensors, bad, torch.float32, ids, off, None, 0, "t")
+        with pytest.raises(ValueError, match=match):
+            torch.ops.ibp.gather(*tensors, bad, torch.float32, ids, "t")

@@ -65,7 +65,7 @@ def key_positions(keys: List[str], features: List[str], distinct: bool) -> List[
     """The position in `keys` of each of `features` (the last, where a key repeats, as
     KeyedJaggedTensor.to_dict reads it); `distinct`: no feature is listed twice. One node
     in an fx graph, computed from each call's keys."""
-    if distinct and keys == features:  # the usual input: 1 us, not 13 (scripted, 26 features)
+    if distinct and keys == features:  # the usual input: 8 us scripted, not 13 (26 features)
         return list(range(len(features)))
     last: Dict[str, int] = {}
     for i, k in enumerate(keys):
