@@ -6,9 +6,13 @@ only the batch's pointers change.
 Built per call (Slot objects, each feature's id and offset slices, a cffi job
 filled field by field), the jobs took about 170 of
 the 254 us a B1 forward into the 26 Criteo tables took, against 115-134 us for
-TorchRec's fused EBC (1 thread, a Zen 4 EPYC). Here the jobs live in a NumPy array
-laid out as ``ibp_lookup_job`` (field offsets from cffi), and a call writes a
-batch's pointers for all jobs with a few vectorized stores.
+TorchRec's fused EBC (1 thread, a Zen 4 EPYC). Here the jobs are kept as
+``ibp_keyed_job``s (table, copy, key, dtype, dim, mode), and a call of a batch laid
+out as a KeyedJaggedTensor's hands libibp the batch's three arrays
+(ibp_lookup_keyed), which fills each job's pointers, counts and offsets itself: with
+NumPy's stores into ``ibp_lookup_job``s a B1 call into the 26 tables took 33-34 us,
+7 of them the lookup's own; 12-17 us so (ad-hoc timings, the same Zen 4). Calls with
+each job's own arrays (run_arrays) still fill ``ibp_lookup_job``s with NumPy.
 
 Small tables are looked up from a decoded copy where a call names few ids a row of
 them. The native lookup decodes a call's distinct rows of a table into a per-thread
@@ -105,7 +109,6 @@ class PackedJobs:
         self.key_index = np.asarray(key_index, dtype=np.int64).reshape(-1)
         if self.key_index.size and self.key_index.min() < 0:
             raise ValueError(f"key indices must not be negative, got {self.key_index.tolist()}")
-        self._key_u64 = self.key_index.astype(np.uint64)
         self._keys_needed = int(self.key_index.max()) + 1 if self.key_index.size else 0
         self._cols = np.zeros(len(dims), dtype=np.uint64)  # each job's first output byte
         self._cols[1:] = 4 * np.cumsum(dims[:-1], dtype=np.uint64)
@@ -123,8 +126,10 @@ class PackedJobs:
         self._copies = [None] * len(tables)  # job k's table's decoded copy, once taken; never replaced
         self._copy_ptr = np.zeros(len(tables), dtype=np.uint64)
         self._copy_lock = threading.Lock()
-        self._refused = 0  # copies that could not be made: a new count makes _run recompute its limits
+        self._refused = 0  # copies that could not be made: a new count makes _copy_limits recompute them
         self._limit = None  # ((libibp's threads, _refused), per job the ids under which it pools from its copy)
+        self._copies_made = 0  # a new count makes _keyed_jobs rebuild its jobs
+        self._keyed = None  # ((the limits' key, _copies_made), ibp_keyed_job array)
 
     def _make_copies(self, jobs, table_of) -> None:
         with self._copy_lock:  # a copy's pointer is published once the copy is kept
@@ -140,22 +145,28 @@ class PackedJobs:
                         continue
                     self._copies[k] = copy
                     self._copy_ptr[k] = int(ffi.cast("uintptr_t", copy._c))
+                    self._copies_made += 1
 
     def _jobs(self) -> tuple:
         """A copy of the template to fill: (its words, the jobs' fields over them)."""
         words = self._template.copy()
         return words, words.view(_JOB)
 
+    def _copy_limits(self) -> tuple:
+        """(libibp's threads, copies refused) and per job the ids under which it pools
+        from its table's decoded copy (0: never)."""
+        key = (lib.ibp_get_num_threads(), self._refused)  # read before _small: a refusal after it shows next call
+        limit = self._limit
+        if limit is None or limit[0] != key:  # one assignment: calls from several threads may race here
+            limit = self._limit = (key, np.where(self._small, COPY_IDS_PER_ROW * max(1, key[0]) * self._rows, 0))
+        return limit
+
     def _run(self, words: np.ndarray, jobs: np.ndarray, n_ids: np.ndarray, n_bags: int, out: torch.Tensor,
              table_of) -> tuple:
         """Completes jobs (the fields of words, the template's copy with the batch's
         arrays) with the tables to pool from and the output, and runs them: (libibp's
         return code, the failed job)."""
-        key = (lib.ibp_get_num_threads(), self._refused)  # read before _small: a refusal after it shows next call
-        limit = self._limit
-        if limit is None or limit[0] != key:  # one assignment: calls from several threads may race here
-            limit = self._limit = (key, np.where(self._small, COPY_IDS_PER_ROW * max(1, key[0]) * self._rows, 0))
-        copy = (n_ids > 0) & (n_ids < limit[1])
+        copy = (n_ids > 0) & (n_ids < self._copy_limits()[1])
         if copy.any():
             if not self._copy_ptr[copy].all():
                 self._make_copies(np.flatnonzero(copy), table_of)
@@ -168,16 +179,32 @@ class PackedJobs:
         rc = lib.ibp_lookup_many(ffi.cast("const ibp_lookup_job *", array_address(words)), jobs.size, failed)
         return rc, int(failed[0])
 
+    def _keyed_jobs(self):
+        """The jobs as ibp_lookup_keyed takes them, with the current copies and limits
+        (a new array when they change: calls may race)."""
+        limit_key, limits = self._copy_limits()
+        key = (limit_key, self._copies_made)
+        keyed = self._keyed
+        if keyed is None or keyed[0] != key:
+            template = self._template.view(_JOB)
+            jobs = ffi.new("ibp_keyed_job[]", self._rows.size)
+            for k, j in enumerate(jobs):
+                j.table = ffi.cast("const ibp_table *", int(self._table_ptr[k]))
+                j.copy = ffi.cast("const ibp_table *", int(self._copy_ptr[k]))
+                j.copy_below, j.key = int(limits[k]), int(self.key_index[k])
+                j.dtype, j.dim, j.mode = (int(template[f][k]) for f in ("dtype", "dim", "mode"))
+            keyed = self._keyed = (key, jobs)
+        return keyed[1]
+
     def __call__(self, values: np.ndarray, offsets: np.ndarray, weights, n_bags: int,
                  what: Callable[[int], str], table_of: Callable[[int], CompressedTable]) -> torch.Tensor:
         """[n_bags, width] float32 of a batch laid out as a KeyedJaggedTensor's: values
         int64, offsets int64 [n_keys * n_bags + 1] from 0 to len(values), weights
-        float32 like values or None, all contiguous and checked by the caller. libibp
-        checks every id it reads and each job's offsets, so the caller need not check
-        that the offsets never decrease where the jobs read every key (the keys share
-        their bounds: lookup_many's TBE layout); elsewhere it must (JobCache's KJTs),
-        or a key's start could lie outside values. An out-of-range id raises
-        IndexError naming what(job)."""
+        float32 like values or None, all contiguous (libibp checks the offsets: a
+        ValueError). One native call (ibp_lookup_keyed) fills the jobs from the batch
+        and runs them; a job that would pool from a small table's decoded copy it lacks
+        pools from its table, and the copy is made for the next call. An out-of-range
+        id raises IndexError naming what(job)."""
         out = torch.empty((n_bags, self.width), dtype=torch.float32, device="cpu")  # libibp writes it
         n = self._rows.size
         if n == 0 or n_bags == 0:
@@ -186,26 +213,31 @@ class PackedJobs:
         if offsets.size != n_keys * n_bags + 1 or self._keys_needed > n_keys:
             raise ValueError(f"offsets of {offsets.size} entries do not hold the {n_bags} bags of keys "
                              f"{self.key_index.tolist()}")
-        # each key's bag offsets from 0, one row a key (the native jobs want them so)
-        rel = np.empty((n_keys, n_bags + 1), dtype=np.int64)
-        rel[:, :n_bags] = offsets[:-1].reshape(n_keys, n_bags)
-        rel[:, n_bags] = offsets[n_bags::n_bags]
-        starts = rel[:, 0].copy()
-        rel -= starts[:, None]
-        first = starts[self.key_index].astype(np.uint64)
-        words, jobs = self._jobs()
-        jobs["indices"] = np.uint64(array_address(values)) + np.uint64(8) * first
-        jobs["offsets"] = np.uint64(array_address(rel)) + np.uint64(8 * (n_bags + 1)) * self._key_u64
-        if weights is not None:
-            jobs["weights"] = np.uint64(array_address(weights)) + np.uint64(4) * first
-        rc, k = self._run(words, jobs, rel[self.key_index, n_bags], n_bags, out, table_of)
+        res = ffi.new("uint64_t[2]")  # the failed job, the copies wanted
+        rc = lib.ibp_lookup_keyed(self._keyed_jobs(), n, ffi.cast("const int64_t *", array_address(values)),
+                                  values.size, ffi.cast("const int64_t *", array_address(offsets)), n_keys, n_bags,
+                                  ffi.NULL if weights is None else ffi.cast("const float *", array_address(weights)),
+                                  ffi.cast("float *", out.data_ptr()), res, res + 1)
+        if res[1]:
+            starts = offsets[self.key_index * n_bags]
+            n_ids = offsets[(self.key_index + 1) * n_bags] - starts
+            self._make_copies(np.flatnonzero((n_ids > 0) & (n_ids < self._copy_limits()[1]) & (self._copy_ptr == 0)),
+                              table_of)
         if rc != lib.IBP_OK:
+            k = int(res[0])
+            if k >= n:  # the offsets: name a job of the key where they first decrease
+                down = np.flatnonzero(offsets[1:] < offsets[:-1])
+                readers = np.flatnonzero(self.key_index == down[0] // n_bags) if down.size else ()
+                if not len(readers):
+                    raise ValueError(f"offsets must run from 0 to len(values) = {values.size} without decreasing")
+                k = int(readers[0])
             key, n_rows = int(self.key_index[k]), int(self._rows[k])
-            ids = values[int(starts[key]):int(starts[key] + rel[key, n_bags])]
+            lo, hi = int(offsets[key * n_bags]), int(offsets[(key + 1) * n_bags])
+            ids = values[lo:hi]
             error = _id_out_of_range(ids, n_rows, what(k)) if rc == lib.IBP_E_INDEX else None
             if error is not None:
                 raise error
-            _check_lookup_rc(rc, what(k), ids, rel[key], n_rows)
+            _check_lookup_rc(rc, what(k), ids, offsets[key * n_bags:(key + 1) * n_bags + 1] - lo, n_rows)
         return out
 
     def run_arrays(self, arrays: np.ndarray, n_bags: int, table_of: Callable[[int], CompressedTable]):

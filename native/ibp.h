@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 2
-#define IBP_ABI_VERSION 8
+#define IBP_ABI_VERSION 9
 
 /* Return codes. */
 #define IBP_OK 0
@@ -178,6 +178,31 @@ typedef struct ibp_lookup_job {
  * threads in one parallel region (none with one thread). On an error, *failed_job
  * (when not NULL) is the first job that failed; the outputs are then unspecified. */
 int ibp_lookup_many(const ibp_lookup_job *jobs, uint64_t n_jobs, uint64_t *failed_job);
+
+/* One job of ibp_lookup_keyed: pools key `key` of the batch from `table`, or from
+ * `copy` (a raw table of the same rows, decoded, or NULL) where the job has fewer
+ * than copy_below ids and more than none. */
+typedef struct ibp_keyed_job {
+    const ibp_table *table;
+    const ibp_table *copy;
+    uint64_t copy_below;
+    uint64_t key;
+    int dtype;
+    uint32_t dim;
+    int mode;
+} ibp_keyed_job;
+
+/* ibp_lookup_many over a batch laid out as a KeyedJaggedTensor's (TorchRec's and
+ * FBGEMM's TBE layout): values [n_values] ids, weights [n_values] or NULL, offsets
+ * [n_keys * n_bags + 1] running from 0 to n_values without decreasing (bag b of key
+ * k: values[offsets[k * n_bags + b] .. offsets[k * n_bags + b + 1])). Job j pools
+ * its key into columns [D_0 + .. + D_{j-1}, + D_j) of out ([n_bags][sum of dims]
+ * float32). *copies_wanted (when not NULL) counts the jobs that would have pooled
+ * from a copy they lack (copy NULL, copy_below reached): they pool from their table.
+ * Errors as ibp_lookup_many's (IBP_E_ARG with *failed_job = n_jobs: the offsets). */
+int ibp_lookup_keyed(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *values, uint64_t n_values,
+                     const int64_t *offsets, uint64_t n_keys, uint64_t n_bags, const float *weights,
+                     float *out, uint64_t *failed_job, uint64_t *copies_wanted);
 
 /* ---- Updatable tables (training) ----
  * An ibp_store holds a table whose rows can be rewritten: rows are grouped in blocks

@@ -37,12 +37,12 @@ def test_each_build_runs_its_own_calls(tmp_path, monkeypatch):
             self._lib, self._path = lib, str(path)
 
         def __getattr__(self, name):
-            if name != "ibp_lookup_many":
+            if name not in ("ibp_lookup_many", "ibp_lookup_keyed"):
                 return getattr(self._lib, name)
 
             def counted(*args):
                 calls[self._path] = calls.get(self._path, 0) + 1
-                return self._lib.ibp_lookup_many(*args)
+                return getattr(self._lib, name)(*args)
             return counted
 
     monkeypatch.setattr(ab_set.ab, "load", lambda path: Counted(real_load(path), path))

@@ -86,8 +86,10 @@ def test_packed_jobs_match_each_tables_lookup(seed, n_keys, n_jobs, n_bags, weig
             m.setattr(packed_jobs, "COPY_IDS_PER_ROW", ids_per_row)
             jobs = Jobs(tables, modes, key_index)
             got = jobs(values, offsets, weights, n_bags, lambda k: f"job {k}")
+            again = jobs(values, offsets, weights, n_bags, lambda k: f"job {k}")  # from the copies the first made
         assert got.shape == (n_bags, sum(t.shape[1] for t in tables))
         assert_bits_equal(got, want)
+        assert_bits_equal(again, want)
         named = [offsets[(k + 1) * n_bags] > offsets[k * n_bags] and not t.is_raw for t, k in zip(tables, key_index)]
         assert (jobs.copy_nbytes > 0) == (ids_per_row > 0 and any(named))
 
@@ -120,6 +122,44 @@ def test_small_tables_are_copied_once_where_calls_name_few_ids_a_row():
                 assert (jobs.copy_nbytes > 0) == copied
     finally:
         lib.ibp_set_num_threads(before)
+
+
+def keyed_call(jobs, values, offsets, n_keys, n_bags, width):
+    """libibp's ibp_lookup_keyed: (return code, failed job, copies wanted, output)."""
+    out = torch.full((n_bags, width), float("nan"))
+    res = ffi.new("uint64_t[2]")
+    rc = lib.ibp_lookup_keyed(jobs, len(jobs), ffi.cast("const int64_t *", values.ctypes.data), values.size,
+                              ffi.cast("const int64_t *", offsets.ctypes.data), n_keys, n_bags, ffi.NULL,
+                              ffi.cast("float *", out.data_ptr()), res, res + 1)
+    return rc, int(res[0]), int(res[1]), out
+
+
+def test_keyed_lookup_pools_from_copies_below_their_limit_and_refuses_bad_batches():
+    """ibp_lookup_keyed's own contract: a job pools from its copy where it has fewer ids
+    than copy_below (and some), counts the copies it lacks, and names what it refuses.
+    The "copy" here is another table, so that the rows tell which one was read."""
+    t = ibp_embed.compress(structured(20, 8, torch.float32, seed=1), progress=False)
+    other = ibp_embed.CompressedTable.raw(structured(20, 8, torch.float32, seed=2).numpy().view(np.uint8),
+                                          torch.float32, 8)
+    values, offsets = np.array([3, 4, 5, 6, 7], np.int64), np.array([0, 2, 2, 2, 5], np.int64)  # key 1: 3 ids
+    jobs = ffi.new("ibp_keyed_job[]", 2)
+    for j, copy in zip(jobs, (other._c, ffi.NULL)):
+        j.table, j.copy, j.key, j.dtype, j.dim, j.mode = t._c, copy, 1, lib.IBP_DTYPE_F32, 8, lib.IBP_POOL_SUM
+    ids, off = torch.from_numpy(values[2:]), torch.tensor([0, 0, 3])
+    for below, source, wanted in ((3, t, 0), (4, other, 1)):  # fewer than copy_below ids: the copy (job 1 has none)
+        jobs[0].copy_below = jobs[1].copy_below = below
+        rc, _, got_wanted, out = keyed_call(jobs, values, offsets, 2, 2, 16)
+        assert rc == lib.IBP_OK and got_wanted == wanted
+        assert_bits_equal(out[:, :8], source.lookup(ids, off))
+        assert_bits_equal(out[:, 8:], t.lookup(ids, off))
+    jobs[0].copy_below = jobs[1].copy_below = 0
+    jobs[1].key = 2
+    assert keyed_call(jobs, values, offsets, 2, 2, 16)[:2] == (lib.IBP_E_ARG, 1)  # a key the batch lacks
+    jobs[1].key = 0
+    for bad in (np.array([0, 2, 1, 2, 5]), np.array([1, 2, 2, 2, 5]), np.array([0, 2, 2, 2, 4])):  # down, not 0 .. len
+        assert keyed_call(jobs, values, bad.astype(np.int64), 2, 2, 16)[:2] == (lib.IBP_E_ARG, 2)
+    values[1] = 20
+    assert keyed_call(jobs, values, offsets, 2, 2, 16)[:2] == (lib.IBP_E_INDEX, 1)  # key 0's id 20 of 20 rows
 
 
 def test_a_table_whose_copy_fails_is_looked_up_as_before():
