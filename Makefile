@@ -105,7 +105,8 @@ sanitize: venv
 		ASAN_OPTIONS=detect_leaks=0 IBP_LIBRARY=$(SAN_BUILD)/libibp.so \
 		$(PY) -m pytest -q --capture=sys -p no:cacheprovider tests/test_codec.py tests/test_decode_plans.py tests/test_lookup.py \
 		tests/test_moved_words.py tests/test_rows_from_memory.py tests/test_raw_tables.py tests/test_reference.py \
-		tests/test_hardening.py tests/test_store.py tests/test_thread_buffers.py
+		tests/test_hardening.py tests/test_store.py tests/test_thread_buffers.py tests/test_packed_jobs.py \
+		tests/test_batched.py
 
 clean:
 	rm -rf $(BUILD) $(SAN_BUILD) $(VENV) .pytest_cache .hypothesis

@@ -81,7 +81,7 @@ def _packed_lookup_many(tables: list, indices: list, offsets: list, weights: lis
     converting or libibp refused them (lookup_many's checks then say why)."""
     if not tables:
         return None
-    arrays = np.zeros((4, len(tables)), dtype=np.uint64)  # PackedJobs.run_arrays'
+    arrays = ([], [], [], [])  # PackedJobs.run_arrays' rows (a NumPy store each: 20 us for 26 tables)
     n_bags = None
     for k in range(len(tables)):
         ids, off = _address(indices[k], torch.int64, np.int64), _address(offsets[k], torch.int64, np.int64)
@@ -89,16 +89,15 @@ def _packed_lookup_many(tables: list, indices: list, offsets: list, weights: lis
             n_bags = off[1] - 1
         if ids is None or off is None or off[1] - 1 != n_bags or n_bags < 0:
             return None
-        arrays[0, k], arrays[1, k], arrays[2, k] = ids[0], ids[1], off[0]
-        if weights[k] is not None:
-            w = _address(weights[k], torch.float32, np.float32)
-            if w is None or w[1] != ids[1]:
-                return None
-            arrays[3, k] = w[0]
+        w = (0, ids[1]) if weights[k] is None else _address(weights[k], torch.float32, np.float32)
+        if w is None or w[1] != ids[1]:
+            return None
+        for row, x in zip(arrays, (ids[0], ids[1], off[0], w[0])):
+            row.append(x)
     packed = _jobs_for(tables, modes)
     if packed is None:
         return None
-    out, _, _ = packed.run_arrays(arrays, n_bags, tables.__getitem__)
+    out, _, _ = packed.run_arrays(np.array(arrays, dtype=np.uint64), n_bags, tables.__getitem__)
     return out
 
 

@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from . import _native
 from ._native import ffi, lib
 from .dtypes import LOOKUP_DTYPES
 from .table import _MODES, CompressedTable, _check_lookup_rc, _id_out_of_range
@@ -50,26 +51,6 @@ from .table import _MODES, CompressedTable, _check_lookup_rc, _id_out_of_range
 # Small tables' decoded copies (see the module's doc)
 COPY_MAX_BYTES = 1 << 20
 COPY_IDS_PER_ROW = lib.IBP_FILL_IDS_PER_ROW  # a thread: from there libibp decodes the whole table
-
-
-def _job_dtype() -> np.dtype:
-    """ibp_lookup_job as a NumPy structured dtype: pointers as uintp, the integers by
-    their size and sign, each at the offset cffi reports."""
-    ctype = ffi.typeof("ibp_lookup_job")
-    names, formats, offsets = [], [], []
-    for name, field in ctype.fields:
-        t = field.type
-        if t.kind == "pointer":
-            fmt = np.uintp
-        else:
-            fmt = np.dtype(f"{'i' if int(ffi.cast(t, -1)) < 0 else 'u'}{ffi.sizeof(t)}")
-        names.append(name)
-        formats.append(fmt)
-        offsets.append(field.offset)
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": ffi.sizeof(ctype)})
-
-
-_JOB = _job_dtype()
 
 
 def array_address(a: np.ndarray) -> int:
@@ -90,9 +71,10 @@ class PackedJobs:
     key_index[i] (__call__), or each job's own arrays (run_arrays). The jobs hold the
     tables' native handles, not the tables: the caller keeps them alive for every call
     (JobCache, batched.lookup_many's cache) and passes table_of(job), whose decoded
-    copy (a small table's, see the module's doc) the jobs keep once taken. Calls from
-    several threads each write their own copy of the jobs; copies are taken under a
-    lock. copies=False: none (the native lookup's own paths, as tests need them)."""
+    copy (a small table's, see the module's doc) the jobs keep once taken. libibp
+    only reads the jobs, so calls from several threads share them; copies are taken
+    under a lock, and new jobs replace the old whole. copies=False: none (the native
+    lookup's own paths, as tests need them)."""
 
     def __init__(self, tables: Sequence[CompressedTable], modes: Sequence[str], key_index: Sequence[int] = (),
                  copies: bool = True):
@@ -110,16 +92,9 @@ class PackedJobs:
         if self.key_index.size and self.key_index.min() < 0:
             raise ValueError(f"key indices must not be negative, got {self.key_index.tolist()}")
         self._keys_needed = int(self.key_index.max()) + 1 if self.key_index.size else 0
-        self._cols = np.zeros(len(dims), dtype=np.uint64)  # each job's first output byte
-        self._cols[1:] = 4 * np.cumsum(dims[:-1], dtype=np.uint64)
-        jobs = np.zeros(len(tables), dtype=_JOB)
-        jobs["table"] = [int(ffi.cast("uintptr_t", t._c)) for t in tables]
-        jobs["dtype"] = [LOOKUP_DTYPES[t.dtype] for t in tables]
-        jobs["dim"] = dims
-        jobs["mode"] = [_MODES[m] for m in modes]
-        jobs["out_stride"] = self.width
-        self._template = jobs.view(np.uint64)  # copied as plain words: a third of a structured copy's 3.8 us
-        self._table_ptr = jobs["table"].copy()
+        # per job: its table's handle's address (no reference), dtype code, dim and mode code
+        self._fields = [(int(ffi.cast("uintptr_t", t._c)), LOOKUP_DTYPES[t.dtype], t.shape[1], _MODES[m])
+                        for t, m in zip(tables, modes)]
         self._rows = np.array([t.shape[0] for t in tables], dtype=np.int64)
         self._small = np.array([copies and not t.is_raw and 0 < t.raw_nbytes <= COPY_MAX_BYTES for t in tables],
                                dtype=bool)
@@ -147,11 +122,6 @@ class PackedJobs:
                     self._copy_ptr[k] = int(ffi.cast("uintptr_t", copy._c))
                     self._copies_made += 1
 
-    def _jobs(self) -> tuple:
-        """A copy of the template to fill: (its words, the jobs' fields over them)."""
-        words = self._template.copy()
-        return words, words.view(_JOB)
-
     def _copy_limits(self) -> tuple:
         """(libibp's threads, copies refused) and per job the ids under which it pools
         from its table's decoded copy (0: never)."""
@@ -161,23 +131,11 @@ class PackedJobs:
             limit = self._limit = (key, np.where(self._small, COPY_IDS_PER_ROW * max(1, key[0]) * self._rows, 0))
         return limit
 
-    def _run(self, words: np.ndarray, jobs: np.ndarray, n_ids: np.ndarray, n_bags: int, out: torch.Tensor,
-             table_of) -> tuple:
-        """Completes jobs (the fields of words, the template's copy with the batch's
-        arrays) with the tables to pool from and the output, and runs them: (libibp's
-        return code, the failed job)."""
-        copy = (n_ids > 0) & (n_ids < self._copy_limits()[1])
-        if copy.any():
-            if not self._copy_ptr[copy].all():
-                self._make_copies(np.flatnonzero(copy), table_of)
-                copy &= self._copy_ptr != 0
-            jobs["table"] = np.where(copy, self._copy_ptr, self._table_ptr)
-        jobs["n_indices"] = n_ids
-        jobs["n_bags"] = n_bags
-        jobs["out"] = np.uint64(out.data_ptr()) + self._cols
-        failed = ffi.new("uint64_t *")
-        rc = lib.ibp_lookup_many(ffi.cast("const ibp_lookup_job *", array_address(words)), jobs.size, failed)
-        return rc, int(failed[0])
+    def _want_copies(self, n_ids: np.ndarray, table_of) -> None:
+        """Makes the copies that jobs of n_ids ids each would have pooled from (for the
+        next call: libibp pooled them from their tables)."""
+        self._make_copies(np.flatnonzero((n_ids > 0) & (n_ids < self._copy_limits()[1]) & (self._copy_ptr == 0)),
+                          table_of)
 
     def _keyed_jobs(self):
         """The jobs as ibp_lookup_keyed takes them, with the current copies and limits
@@ -186,13 +144,12 @@ class PackedJobs:
         key = (limit_key, self._copies_made)
         keyed = self._keyed
         if keyed is None or keyed[0] != key:
-            template = self._template.view(_JOB)
             jobs = ffi.new("ibp_keyed_job[]", self._rows.size)
-            for k, j in enumerate(jobs):
-                j.table = ffi.cast("const ibp_table *", int(self._table_ptr[k]))
+            for k, (j, (table, dtype, dim, mode)) in enumerate(zip(jobs, self._fields)):
+                j.table, j.dtype, j.dim, j.mode = ffi.cast("const ibp_table *", table), dtype, dim, mode
                 j.copy = ffi.cast("const ibp_table *", int(self._copy_ptr[k]))
-                j.copy_below, j.key = int(limits[k]), int(self.key_index[k])
-                j.dtype, j.dim, j.mode = (int(template[f][k]) for f in ("dtype", "dim", "mode"))
+                j.copy_below = int(limits[k])
+                j.key = int(self.key_index[k]) if k < self.key_index.size else 0  # (run_arrays: unused)
             keyed = self._keyed = (key, jobs)
         return keyed[1]
 
@@ -219,12 +176,11 @@ class PackedJobs:
                                   ffi.NULL if weights is None else ffi.cast("const float *", array_address(weights)),
                                   ffi.cast("float *", out.data_ptr()), res, res + 1)
         if res[1]:
-            starts = offsets[self.key_index * n_bags]
-            n_ids = offsets[(self.key_index + 1) * n_bags] - starts
-            self._make_copies(np.flatnonzero((n_ids > 0) & (n_ids < self._copy_limits()[1]) & (self._copy_ptr == 0)),
-                              table_of)
+            self._want_copies(offsets[(self.key_index + 1) * n_bags] - offsets[self.key_index * n_bags], table_of)
         if rc != lib.IBP_OK:
             k = int(res[0])
+            if k >= n and rc != lib.IBP_E_ARG:  # no job's error: memory
+                _native.check(rc, "lookup")
             if k >= n:  # the offsets: name a job of the key where they first decrease
                 down = np.flatnonzero(offsets[1:] < offsets[:-1])
                 readers = np.flatnonzero(self.key_index == down[0] // n_bags) if down.size else ()
@@ -249,7 +205,15 @@ class PackedJobs:
         out = torch.empty((n_bags, self.width), dtype=torch.float32, device="cpu")  # libibp writes it
         if self._rows.size == 0:
             return out, lib.IBP_OK, 0
-        words, jobs = self._jobs()  # (B = 0 too: libibp checks that no ids come without bags)
-        jobs["indices"], jobs["offsets"], jobs["weights"] = arrays[0], arrays[2], arrays[3]
-        rc, k = self._run(words, jobs, arrays[1].astype(np.int64), n_bags, out, table_of)
-        return (out if rc == lib.IBP_OK else None), rc, k
+        res = ffi.new("uint64_t[2]")  # the failed job, the copies wanted
+        arrays = np.ascontiguousarray(arrays, dtype=np.uint64)
+        at, row = array_address(arrays), 8 * arrays.shape[1]
+        rc = lib.ibp_lookup_lists(self._keyed_jobs(), self._rows.size, ffi.cast("const int64_t *const *", at),
+                                  ffi.cast("const uint64_t *", at + row), ffi.cast("const int64_t *const *", at + 2 * row),
+                                  ffi.cast("const float *const *", at + 3 * row), n_bags,
+                                  ffi.cast("float *", out.data_ptr()), res, res + 1)
+        if res[1]:
+            self._want_copies(arrays[1].astype(np.int64), table_of)
+        if rc != lib.IBP_OK and res[0] >= self._rows.size:  # no job's error: memory
+            _native.check(rc, "lookup_many")
+        return (out if rc == lib.IBP_OK else None), rc, int(res[0])

@@ -503,6 +503,19 @@ int ibp_lookup_many(const ibp_lookup_job *jobs, uint64_t n_jobs, uint64_t *faile
     return rc;
 }
 
+/* The table job kj pools its n ids from: its copy where it has fewer than copy_below
+ * (and some), counted in *wanted where it has none. */
+static const ibp_table *keyed_source(const ibp_keyed_job *kj, uint64_t n, uint64_t *wanted)
+{
+    if (n > 0 && n < kj->copy_below) {
+        if (kj->copy)
+            return kj->copy;
+        if (wanted)
+            (*wanted)++;
+    }
+    return kj->table;
+}
+
 /* The jobs are filled here rather than by the caller: in Python, NumPy's stores of a
  * batch's pointers and counts into the jobs took 26 of the 33 us a B1 x P20 call into
  * the 26 Criteo tables took (the lookup 7 of them; ad-hoc timings, a Zen 4 EPYC). */
@@ -514,14 +527,12 @@ int ibp_lookup_keyed(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *
         *copies_wanted = 0;
     if (failed_job)
         *failed_job = n_jobs;
-    if ((n_jobs && !jobs) || !offsets || (n_values && !values) || (n_keys && n_bags > (UINT64_MAX - 1) / n_keys))
+    if (n_jobs == 0)
+        return IBP_OK;
+    const uint64_t cap = SIZE_MAX / sizeof(int64_t) / 4; /* keeps the sizes below from overflowing */
+    if (!jobs || !offsets || (n_values && !values) || (n_bags && !out) || n_bags >= cap ||
+        n_keys >= cap / (n_bags + 2))
         return IBP_E_ARG;
-    const uint64_t n_off = n_keys * n_bags; /* + 1 entries */
-    if (offsets[0] != 0 || (uint64_t)offsets[n_off] != n_values)
-        return IBP_E_ARG;
-    for (uint64_t i = 0; i < n_off; i++)
-        if (offsets[i + 1] < offsets[i])
-            return IBP_E_ARG;
     uint64_t width = 0;
     for (uint64_t j = 0; j < n_jobs; j++) {
         if (jobs[j].key >= n_keys || !jobs[j].table) {
@@ -531,42 +542,77 @@ int ibp_lookup_keyed(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *
         }
         width += jobs[j].dim;
     }
-    if (n_jobs == 0 || n_bags == 0)
-        return IBP_OK;
-    if (!out || n_bags > SIZE_MAX / sizeof(int64_t) - 1 || n_keys > SIZE_MAX / ((n_bags + 1) * sizeof(int64_t)))
-        return IBP_E_ARG;
-    /* each key's bag offsets from 0 (a job's offsets start at 0), and the jobs */
+    /* One read of the offsets, which the checks and the jobs share: each key's first
+     * offset (los) and its bags' offsets from it (rel: a job's offsets start at 0). */
     ibp_lookup_job stack_jobs[32];
     ibp_lookup_job *lj = n_jobs <= 32 ? stack_jobs : malloc(n_jobs * sizeof(ibp_lookup_job));
-    int64_t *rel = malloc(n_keys * (n_bags + 1) * sizeof(int64_t));
-    if (!lj || !rel) {
-        if (lj != stack_jobs)
-            free(lj);
-        free(rel);
-        return IBP_E_NOMEM;
-    }
-    for (uint64_t k = 0; k < n_keys; k++)
-        for (uint64_t b = 0, lo = (uint64_t)offsets[k * n_bags]; b <= n_bags; b++)
-            rel[k * (n_bags + 1) + b] = offsets[k * n_bags + b] - (int64_t)lo;
-    uint64_t col = 0;
-    for (uint64_t j = 0; j < n_jobs; j++) {
-        const ibp_keyed_job *kj = &jobs[j];
-        const uint64_t lo = (uint64_t)offsets[kj->key * n_bags], n = (uint64_t)offsets[(kj->key + 1) * n_bags] - lo;
-        const ibp_table *t = kj->table;
-        if (n > 0 && n < kj->copy_below) {
-            if (kj->copy)
-                t = kj->copy;
-            else if (copies_wanted)
-                (*copies_wanted)++;
+    int64_t *rel = malloc(n_keys * (n_bags + 2) * sizeof(int64_t) + sizeof(int64_t));
+    int rc = lj && rel ? IBP_OK : IBP_E_NOMEM;
+    int64_t *los = rel ? rel + n_keys * (n_bags + 1) : NULL, end = rc == IBP_OK ? offsets[0] : 0;
+    if (end != 0)
+        rc = IBP_E_ARG;
+    for (uint64_t k = 0; k < n_keys && rc == IBP_OK; k++) {
+        int64_t *r = rel + k * (n_bags + 1);
+        los[k] = end;
+        r[0] = 0;
+        for (uint64_t b = 1; b <= n_bags; b++) {
+            const int64_t v = offsets[k * n_bags + b];
+            if (v < end)
+                rc = IBP_E_ARG;
+            r[b] = v - los[k];
+            end = v;
         }
-        lj[j] = (ibp_lookup_job){t, kj->dtype, kj->dim, values + lo, n, rel + kj->key * (n_bags + 1), n_bags,
-                                 weights ? weights + lo : NULL, kj->mode, out + col, width};
-        col += kj->dim;
     }
-    int rc = ibp_lookup_many(lj, n_jobs, failed_job);
+    if (rc == IBP_OK && (uint64_t)end != n_values)
+        rc = IBP_E_ARG;
+    if (rc == IBP_OK) {
+        uint64_t col = 0;
+        for (uint64_t j = 0; j < n_jobs; j++) {
+            const ibp_keyed_job *kj = &jobs[j];
+            const int64_t *r = rel + kj->key * (n_bags + 1);
+            const uint64_t lo = (uint64_t)los[kj->key], n = (uint64_t)r[n_bags];
+            lj[j] = (ibp_lookup_job){keyed_source(kj, n, copies_wanted), kj->dtype, kj->dim,
+                                     values ? values + lo : NULL, n, r, n_bags, weights ? weights + lo : NULL,
+                                     kj->mode, out ? out + col : NULL, width};
+            col += kj->dim;
+        }
+        rc = ibp_lookup_many(lj, n_jobs, failed_job);
+    }
     if (lj != stack_jobs)
         free(lj);
     free(rel);
+    return rc;
+}
+
+int ibp_lookup_lists(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *const *indices,
+                     const uint64_t *n_indices, const int64_t *const *offsets, const float *const *weights,
+                     uint64_t n_bags, float *out, uint64_t *failed_job, uint64_t *copies_wanted)
+{
+    if (copies_wanted)
+        *copies_wanted = 0;
+    if (failed_job)
+        *failed_job = n_jobs;
+    if (n_jobs == 0)
+        return IBP_OK;
+    if (!jobs || !indices || !n_indices || !offsets)
+        return IBP_E_ARG;
+    uint64_t width = 0;
+    for (uint64_t j = 0; j < n_jobs; j++) width += jobs[j].dim;
+    ibp_lookup_job stack_jobs[32];
+    ibp_lookup_job *lj = n_jobs <= 32 ? stack_jobs : malloc(n_jobs * sizeof(ibp_lookup_job));
+    if (!lj)
+        return IBP_E_NOMEM;
+    uint64_t col = 0;
+    for (uint64_t j = 0; j < n_jobs; j++) {
+        const ibp_keyed_job *kj = &jobs[j];
+        lj[j] = (ibp_lookup_job){kj->table ? keyed_source(kj, n_indices[j], copies_wanted) : NULL, kj->dtype,
+                                 kj->dim, indices[j], n_indices[j], offsets[j], n_bags, weights ? weights[j] : NULL,
+                                 kj->mode, out ? out + col : NULL, width};
+        col += kj->dim;
+    }
+    int rc = ibp_lookup_many(lj, n_jobs, failed_job); /* checks each job (its offsets: from 0 to n_indices) */
+    if (lj != stack_jobs)
+        free(lj);
     return rc;
 }
 

@@ -199,10 +199,19 @@ typedef struct ibp_keyed_job {
  * its key into columns [D_0 + .. + D_{j-1}, + D_j) of out ([n_bags][sum of dims]
  * float32). *copies_wanted (when not NULL) counts the jobs that would have pooled
  * from a copy they lack (copy NULL, copy_below reached): they pool from their table.
- * Errors as ibp_lookup_many's (IBP_E_ARG with *failed_job = n_jobs: the offsets). */
+ * Errors as ibp_lookup_many's; *failed_job = n_jobs where no job failed (bad offsets or
+ * arguments: IBP_E_ARG; IBP_E_NOMEM). The offsets are read once, before any lookup. */
 int ibp_lookup_keyed(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *values, uint64_t n_values,
                      const int64_t *offsets, uint64_t n_keys, uint64_t n_bags, const float *weights,
                      float *out, uint64_t *failed_job, uint64_t *copies_wanted);
+
+/* The same with each job's own arrays (the jobs' keys unused): job j pools
+ * indices[j] ([n_indices[j]] ids), bags offsets[j] ([n_bags + 1], from 0 to
+ * n_indices[j] without decreasing), weights[j] (or none: weights or weights[j] NULL).
+ * Errors as ibp_lookup_keyed's. */
+int ibp_lookup_lists(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *const *indices,
+                     const uint64_t *n_indices, const int64_t *const *offsets, const float *const *weights,
+                     uint64_t n_bags, float *out, uint64_t *failed_job, uint64_t *copies_wanted);
 
 /* ---- Updatable tables (training) ----
  * An ibp_store holds a table whose rows can be rewritten: rows are grouped in blocks

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import ibp_embed
 from ibp_embed import packed_jobs
-from ibp_embed.packed_jobs import _JOB, PackedJobs
+from ibp_embed.packed_jobs import PackedJobs
 from ibp_embed._native import ffi, lib
 
 from helpers import assert_bits_equal, structured
@@ -58,13 +58,6 @@ def expected(tables, modes, key_index, values, offsets, weights, n_bags):
     return torch.cat(outs, dim=1) if outs else torch.empty((n_bags, 0))
 
 
-def test_job_dtype_matches_the_header():
-    assert _JOB.itemsize == ffi.sizeof("ibp_lookup_job")
-    for name, field in ffi.typeof("ibp_lookup_job").fields:
-        assert _JOB.fields[name][1] == field.offset
-        assert _JOB.fields[name][0].itemsize == ffi.sizeof(field.type)
-
-
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n_keys=st.integers(1, 4), n_jobs=st.integers(0, 5),
        n_bags=st.integers(1, 9), weighted=st.booleans())
@@ -90,6 +83,9 @@ def test_packed_jobs_match_each_tables_lookup(seed, n_keys, n_jobs, n_bags, weig
         assert got.shape == (n_bags, sum(t.shape[1] for t in tables))
         assert_bits_equal(got, want)
         assert_bits_equal(again, want)
+        if n_jobs:  # the jobs the second call ran: with the copies the first made
+            keyed = jobs.packed._keyed[1]
+            assert all((keyed[k].copy != ffi.NULL) == (c is not None) for k, c in enumerate(jobs.packed._copies))
         named = [offsets[(k + 1) * n_bags] > offsets[k * n_bags] and not t.is_raw for t, k in zip(tables, key_index)]
         assert (jobs.copy_nbytes > 0) == (ids_per_row > 0 and any(named))
 
@@ -160,6 +156,59 @@ def test_keyed_lookup_pools_from_copies_below_their_limit_and_refuses_bad_batche
         assert keyed_call(jobs, values, bad.astype(np.int64), 2, 2, 16)[:2] == (lib.IBP_E_ARG, 2)
     values[1] = 20
     assert keyed_call(jobs, values, offsets, 2, 2, 16)[:2] == (lib.IBP_E_INDEX, 1)  # key 0's id 20 of 20 rows
+
+
+def test_lists_lookup_pools_each_jobs_arrays_and_refuses_bad_ones():
+    """ibp_lookup_lists: job j's own ids, offsets and weights; its copy below copy_below."""
+    t = ibp_embed.compress(structured(20, 8, torch.float32, seed=1), progress=False)
+    other = ibp_embed.CompressedTable.raw(structured(20, 8, torch.float32, seed=2).numpy().view(np.uint8),
+                                          torch.float32, 8)
+    ids = [np.array([3, 4, 5], np.int64), np.array([6], np.int64)]
+    offs = [np.array([0, 1, 3], np.int64), np.array([0, 0, 1], np.int64)]
+    w = np.array([0.5, -2.0, 4.0], np.float32)
+    jobs = ffi.new("ibp_keyed_job[]", 2)
+    for j in jobs:
+        j.table, j.copy, j.copy_below, j.dtype, j.dim, j.mode = t._c, other._c, 2, lib.IBP_DTYPE_F32, 8, 0
+    keep = [ffi.cast("const int64_t *", a.ctypes.data) for a in ids + offs] + [ffi.cast("const float *", w.ctypes.data)]
+    indices, offsets = ffi.new("const int64_t *[]", keep[:2]), ffi.new("const int64_t *[]", keep[2:4])
+    weights, counts = ffi.new("const float *[]", [keep[4], ffi.NULL]), ffi.new("uint64_t[]", [3, 1])
+    out, res = torch.full((2, 16), float("nan")), ffi.new("uint64_t[2]")
+
+    def call():
+        return lib.ibp_lookup_lists(jobs, 2, indices, counts, offsets, weights, 2,
+                                    ffi.cast("float *", out.data_ptr()), res, res + 1)
+    assert call() == lib.IBP_OK and res[1] == 0  # job 1 (1 id, below 2) from the copy: it has one
+    assert_bits_equal(out[:, :8], t.lookup(torch.from_numpy(ids[0]), torch.from_numpy(offs[0]),
+                                           per_sample_weights=torch.from_numpy(w)))
+    assert_bits_equal(out[:, 8:], other.lookup(torch.from_numpy(ids[1]), torch.from_numpy(offs[1])))
+    jobs[1].copy = ffi.NULL
+    assert call() == lib.IBP_OK and res[1] == 1  # wanted, pooled from the table
+    assert_bits_equal(out[:, 8:], t.lookup(torch.from_numpy(ids[1]), torch.from_numpy(offs[1])))
+    offs[1][1] = 2  # decreasing
+    assert (call(), res[0]) == (lib.IBP_E_ARG, 1)
+    offs[1][1], ids[0][2] = 0, 20
+    assert (call(), res[0]) == (lib.IBP_E_INDEX, 0)
+
+
+def test_an_allocation_failure_is_a_memory_error(monkeypatch):
+    """libibp's IBP_E_NOMEM with no failed job (its own buffers) is no offsets error."""
+    t = ibp_embed.compress(structured(10, 4, torch.float32), progress=False)
+
+    class NoMemory:
+        def __getattr__(self, name):
+            if name not in ("ibp_lookup_keyed", "ibp_lookup_lists"):
+                return getattr(lib, name)
+
+            def refuse(jobs, n_jobs, *args):
+                args[-2][0] = n_jobs
+                return lib.IBP_E_NOMEM
+            return refuse
+
+    monkeypatch.setattr(packed_jobs, "lib", NoMemory())
+    with pytest.raises(MemoryError):
+        Jobs([t], ["sum"], [0])(np.array([1, 2], np.int64), np.array([0, 1, 2], np.int64), None, 2, str)
+    with pytest.raises(MemoryError):
+        ibp_embed.lookup_many([t], [np.array([1, 2], np.int64)], [np.array([0, 1, 2], np.int64)])
 
 
 def test_a_table_whose_copy_fails_is_looked_up_as_before():
