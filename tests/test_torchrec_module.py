@@ -379,6 +379,12 @@ def test_missing_and_unknown_keys(small):
     strict.load_state_dict(m.state_dict())
     with pytest.raises(FeatureKeyError, match=r"strict_features"):
         strict(kjt_of(["a", "b", "zzz"], [1, 2, 3], [1, 1, 1]))
+    # keys that passed are not checked again: other keys are, after them
+    for module, bad in ((m, ["a"]), (strict, ["a", "b", "zzz"]), (strict, ["a", "b", "a"])):
+        module(kjt_of(["a", "b"], [1, 2], [1, 1]))
+        for _ in range(2):
+            with pytest.raises(FeatureKeyError):
+                module(kjt_of(bad, [1, 2, 3][:len(bad)], [1] * len(bad)))
 
 
 def test_weights_and_weightedness(small):
