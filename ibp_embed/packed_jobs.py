@@ -12,7 +12,8 @@ out as a KeyedJaggedTensor's hands libibp the batch's three arrays
 (ibp_lookup_keyed), which fills each job's pointers, counts and offsets itself: with
 NumPy's stores into ``ibp_lookup_job``s a B1 call into the 26 tables took 33-34 us,
 7 of them the lookup's own; 12-17 us so (ad-hoc timings, the same Zen 4). Calls with
-each job's own arrays (run_arrays) still fill ``ibp_lookup_job``s with NumPy.
+each job's own arrays (run_arrays) hand libibp those arrays' addresses and counts
+(ibp_lookup_lists).
 
 Small tables are looked up from a decoded copy where a call names few ids a row of
 them. The native lookup decodes a call's distinct rows of a table into a per-thread
@@ -209,7 +210,8 @@ class PackedJobs:
         arrays = np.ascontiguousarray(arrays, dtype=np.uint64)
         at, row = array_address(arrays), 8 * arrays.shape[1]
         rc = lib.ibp_lookup_lists(self._keyed_jobs(), self._rows.size, ffi.cast("const int64_t *const *", at),
-                                  ffi.cast("const uint64_t *", at + row), ffi.cast("const int64_t *const *", at + 2 * row),
+                                  ffi.cast("const uint64_t *", at + row),
+                                  ffi.cast("const int64_t *const *", at + 2 * row),
                                   ffi.cast("const float *const *", at + 3 * row), n_bags,
                                   ffi.cast("float *", out.data_ptr()), res, res + 1)
         if res[1]:
