@@ -19,7 +19,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 _HEADER = _ROOT / "native" / "ibp.h"
 _LIBRARY = _ROOT / "native" / "build" / "libibp.so"
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 FORMAT_VERSION = 2  # reads versions 1 and 2 (io.read_header)
 
 

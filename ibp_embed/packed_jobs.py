@@ -92,6 +92,8 @@ class PackedJobs:
         self.key_index = np.asarray(key_index, dtype=np.int64).reshape(-1)
         if self.key_index.size and self.key_index.min() < 0:
             raise ValueError(f"key indices must not be negative, got {self.key_index.tolist()}")
+        if self.key_index.size not in (0, len(tables)):  # none: run_arrays only
+            raise ValueError(f"{len(tables)} tables need as many key indices, got {self.key_index.size}")
         self._keys_needed = int(self.key_index.max()) + 1 if self.key_index.size else 0
         # per job: its table's handle's address (no reference), dtype code, dim and mode code
         self._fields = [(int(ffi.cast("uintptr_t", t._c)), LOOKUP_DTYPES[t.dtype], t.shape[1], _MODES[m])
@@ -150,7 +152,7 @@ class PackedJobs:
                 j.table, j.dtype, j.dim, j.mode = ffi.cast("const ibp_table *", table), dtype, dim, mode
                 j.copy = ffi.cast("const ibp_table *", int(self._copy_ptr[k]))
                 j.copy_below = int(limits[k])
-                j.key = int(self.key_index[k]) if k < self.key_index.size else 0  # (run_arrays: unused)
+                j.key = int(self.key_index[k]) if self.key_index.size else 0  # (run_arrays: unused)
             keyed = self._keyed = (key, jobs)
         return keyed[1]
 
@@ -168,6 +170,8 @@ class PackedJobs:
         if n == 0 or n_bags == 0:
             return out
         n_keys = (offsets.size - 1) // n_bags
+        if self.key_index.size != n:
+            raise ValueError("these jobs were built without key indices: call run_arrays")
         if offsets.size != n_keys * n_bags + 1 or self._keys_needed > n_keys:
             raise ValueError(f"offsets of {offsets.size} entries do not hold the {n_bags} bags of keys "
                              f"{self.key_index.tolist()}")
@@ -206,8 +210,10 @@ class PackedJobs:
         out = torch.empty((n_bags, self.width), dtype=torch.float32, device="cpu")  # libibp writes it
         if self._rows.size == 0:
             return out, lib.IBP_OK, 0
-        res = ffi.new("uint64_t[2]")  # the failed job, the copies wanted
         arrays = np.ascontiguousarray(arrays, dtype=np.uint64)
+        if arrays.shape != (4, self._rows.size):
+            raise ValueError(f"run_arrays takes [4, {self._rows.size}] words, got {arrays.shape}")
+        res = ffi.new("uint64_t[2]")  # the failed job, the copies wanted
         at, row = array_address(arrays), 8 * arrays.shape[1]
         rc = lib.ibp_lookup_lists(self._keyed_jobs(), self._rows.size, ffi.cast("const int64_t *const *", at),
                                   ffi.cast("const uint64_t *", at + row),

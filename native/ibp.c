@@ -557,8 +557,10 @@ int ibp_lookup_keyed(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *
         r[0] = 0;
         for (uint64_t b = 1; b <= n_bags; b++) {
             const int64_t v = offsets[k * n_bags + b];
-            if (v < end)
+            if (v < end) { /* (before v - los[k], which could overflow) */
                 rc = IBP_E_ARG;
+                break;
+            }
             r[b] = v - los[k];
             end = v;
         }

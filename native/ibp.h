@@ -17,7 +17,7 @@ extern "C" {
 
 /* CFFI_BEGIN */
 #define IBP_FORMAT_VERSION 2
-#define IBP_ABI_VERSION 9
+#define IBP_ABI_VERSION 10
 
 /* Return codes. */
 #define IBP_OK 0
@@ -208,7 +208,8 @@ int ibp_lookup_keyed(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *
 /* The same with each job's own arrays (the jobs' keys unused): job j pools
  * indices[j] ([n_indices[j]] ids), bags offsets[j] ([n_bags + 1], from 0 to
  * n_indices[j] without decreasing), weights[j] (or none: weights or weights[j] NULL).
- * Errors as ibp_lookup_keyed's. */
+ * Errors as ibp_lookup_keyed's; these arrays are read where the lookup reads them (the
+ * caller must not write them during the call). */
 int ibp_lookup_lists(const ibp_keyed_job *jobs, uint64_t n_jobs, const int64_t *const *indices,
                      const uint64_t *n_indices, const int64_t *const *offsets, const float *const *weights,
                      uint64_t n_bags, float *out, uint64_t *failed_job, uint64_t *copies_wanted);

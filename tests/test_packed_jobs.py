@@ -246,6 +246,16 @@ def test_packed_jobs_refuse_bad_input():
         Jobs([t], ["sum", "sum"], [0])
     with pytest.raises(ValueError, match="negative"):
         Jobs([t], ["sum"], [-1])
+    with pytest.raises(ValueError, match="as many key indices"):
+        Jobs([t, t], ["sum", "sum"], [0])
+    with pytest.raises(ValueError, match="without key indices"):
+        Jobs([t], ["sum"], [])(values, offsets, None, 2, str)
+    with pytest.raises(ValueError, match=r"\[4, 1\] words"):
+        PackedJobs([t], ["sum"]).run_arrays(np.zeros((4, 2), np.uint64), 1, [t].__getitem__)
+    # a decrease to INT64_MIN: refused before any offset is taken from another (no overflow)
+    low = np.array([0, 1, 2, np.iinfo(np.int64).min, 4], np.int64)
+    with pytest.raises(ValueError, match="job 1: offsets must be non-decreasing"):
+        jobs(values, low, None, 2, lambda k: f"job {k}")
     assert Jobs([], [], [])(values, offsets, None, 2, str).shape == (2, 0)
     assert Jobs([t], ["sum"], [0])(values[:0], offsets[:1], None, 0, str).shape == (0, 4)
 
